@@ -1,0 +1,272 @@
+"""A GPT-2-architecture decoder in plain torch, read top to bottom: leaves first.
+
+Linear -> HookPoint -> CausalSelfAttention -> MLP -> Block -> KVCache -> GPT.
+
+The residual stream (the "bus") enters each Block as ``resid_pre``; attention adds ``attn_out``
+(giving ``resid_mid``) and the feed-forward adds ``mlp_out`` (giving ``resid_post``). Every one of
+these is a ``HookPoint`` module, so ``blocks.3.attn_out`` is both a module name and the name of the
+tensor ``lab.hooks.capture`` records there. Nothing is copied unless someone captures it.
+
+Shapes: B batch, T positions in this call, S positions attended to (cache included), D width,
+H heads, Dh head width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lab.blocks import BlockSet
+from lab.config import GPTConfig
+
+
+class Linear(nn.Module):
+    """y = x W + b with W stored [in, out], the layout of GPT-2's Conv1D.
+
+    Why not nn.Linear's [out, in]: at batch 1 every product is a matrix-vector product that streams
+    the weight once, and on CPU the [in, out] layout streams it faster (see the README's performance
+    section). It also makes GPT-2 checkpoints load without a transpose.
+    """
+
+    def __init__(self, d_in: int, d_out: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_in, d_out))
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        *lead, d_in = x.shape
+        x2d = x.reshape(-1, d_in)  # [N, Din]
+        if self.bias is None:
+            y = x2d @ self.weight  # [N, Dout]
+        else:
+            y = torch.addmm(self.bias, x2d, self.weight)  # [N, Dout]
+        return y.view(*lead, -1)
+
+
+class HookPoint(nn.Identity):
+    """A named place in the forward pass. Returns its input; ``lab.hooks`` records it by name."""
+
+    @property
+    def is_hooked(self) -> bool:
+        return bool(self._forward_hooks)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: the only stage that mixes positions."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.attention = cfg.attention
+        self.dropout = cfg.dropout
+        self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.qkv = HookPoint()  # [B, T, 3D] the query, key and value projections
+        self.scores = HookPoint()  # [B, H, T, S] scaled dot products, masked (-inf above the diagonal)
+        self.pattern = HookPoint()  # [B, H, T, S] softmax of the scores
+        self.z = HookPoint()  # [B, T, D] the heads' weighted values, concatenated, before c_proj
+
+    def forward(
+        self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None = None, pos: int = 0
+    ) -> torch.Tensor:
+        B, T, D = x.shape
+        H, Dh = self.n_head, self.head_dim
+        qkv = self.qkv(self.c_attn(x))  # [B, T, 3D]
+        q, k, v = qkv.split(D, dim=2)  # 3 x [B, T, D]
+        q = q.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
+        k = k.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
+        v = v.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
+        if cache is not None:
+            k_cache, v_cache = cache  # [B, H, T_max, Dh] each
+            k_cache[:, :, pos : pos + T] = k
+            v_cache[:, :, pos : pos + T] = v
+            k, v = k_cache[:, :, : pos + T], v_cache[:, :, : pos + T]  # [B, H, S, Dh], S = pos + T
+        S = k.size(2)
+        dropout = self.dropout if self.training else 0.0
+
+        # Query t sits at position S - T + t and may read keys 0..S - T + t.
+        eager = self.attention == "eager" or self.scores.is_hooked or self.pattern.is_hooked
+        if eager:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(Dh)  # [B, H, T, S]
+            allowed = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            scores = self.scores(scores.masked_fill(~allowed, float("-inf")))
+            pattern = self.pattern(F.softmax(scores, dim=-1))  # [B, H, T, S]
+            y = F.dropout(pattern, dropout, self.training) @ v  # [B, H, T, Dh]
+        elif T == 1:
+            y = F.scaled_dot_product_attention(q, k, v)  # [B, H, 1, Dh]: the newest token sees all
+        elif T == S:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        else:
+            allowed = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout)
+        y = self.z(y.transpose(1, 2).reshape(B, T, D))  # [B, T, D]
+        return self.resid_dropout(self.c_proj(y))  # [B, T, D]
+
+
+class MLP(nn.Module):
+    """The feed-forward stage: per position, D -> 4D -> D with a GELU between."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.hidden = HookPoint()  # [B, T, 4D] after the GELU
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # GPT-2 used the tanh approximation of GELU; checkpoints were trained with it.
+        hidden = self.hidden(F.gelu(self.c_fc(x), approximate="tanh"))  # [B, T, 4D]
+        return self.dropout(self.c_proj(hidden))  # [B, T, D]
+
+
+class Block(nn.Module):
+    """One stage of the pipeline: attention then feed-forward, each writing into the stream.
+
+    pre-LN (GPT-2):   resid_mid = resid_pre + attn(ln_1(resid_pre))
+                      resid_post = resid_mid + mlp(ln_2(resid_mid))
+    post-LN (GPT-1):  resid_mid = ln_1(resid_pre + attn(resid_pre))
+                      resid_post = ln_2(resid_mid + mlp(resid_mid))
+
+    ``overwrite=True`` computes both writes as usual but hands on ``attn_out + mlp_out`` alone:
+    the incoming stream is dropped, which measures how much later blocks rely on it.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm = cfg.norm
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+        self.resid_pre = HookPoint()  # [B, T, D] the stream as it enters
+        self.attn_out = HookPoint()  # [B, T, D] what attention adds
+        self.resid_mid = HookPoint()  # [B, T, D] the stream between the two stages
+        self.mlp_out = HookPoint()  # [B, T, D] what the feed-forward adds
+        self.resid_post = HookPoint()  # [B, T, D] the stream as it leaves
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        pos: int = 0,
+        overwrite: bool = False,
+    ) -> torch.Tensor:
+        x = self.resid_pre(x)  # [B, T, D]
+        if self.norm == "pre":
+            attn_out = self.attn_out(self.attn(self.ln_1(x), cache, pos))
+            mid = self.resid_mid(x + attn_out)
+            mlp_out = self.mlp_out(self.mlp(self.ln_2(mid)))
+            out = mid + mlp_out
+        else:
+            attn_out = self.attn_out(self.attn(x, cache, pos))
+            mid = self.resid_mid(self.ln_1(x + attn_out))
+            mlp_out = self.mlp_out(self.mlp(mid))
+            out = self.ln_2(mid + mlp_out)
+        if overwrite:
+            out = attn_out + mlp_out
+        return self.resid_post(out)
+
+
+class KVCache:
+    """Keys and values of every block for the positions seen so far, preallocated to ``max_len``.
+
+    A block that a call skips writes nothing here, so keep one block set for a whole generation
+    (adaptive exit fills the skipped blocks' entries itself, see ``lab.generate``).
+    """
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        batch_size: int = 1,
+        max_len: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.max_len = cfg.block_size if max_len is None else max_len
+        if not 1 <= self.max_len <= cfg.block_size:
+            raise ValueError(f"max_len must be in 1..{cfg.block_size}, got {self.max_len}")
+        shape = (cfg.n_layer, batch_size, cfg.n_head, self.max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, B, H, T_max, Dh]
+        self.v = torch.zeros(shape, device=device, dtype=dtype)  # [L, B, H, T_max, Dh]
+        self.length = 0  # positions filled so far
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]  # [B, H, T_max, Dh] each
+
+
+class GPT(nn.Module):
+    """Token and position tables, a stack of Blocks, a final norm and the tied unembedding.
+
+    post-LN has no final norm: its last Block ends in ``ln_2``, so the stream leaving the stack is
+    already normalised (as in GPT-1), and ``ln_f`` is the identity.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # [V, D], also the unembedding
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)  # [T_max, D]
+        self.drop = nn.Dropout(cfg.dropout)
+        self.embed = HookPoint()  # [B, T, D] token + position: the stream's first write
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        if cfg.norm == "pre":
+            self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
+        else:
+            self.ln_f = nn.Identity()
+        self.apply(self._init_weights)
+        # GPT-2: scale the projections that write into the stream by 1/sqrt(2L), so the stream's
+        # variance does not grow with depth at initialisation.
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, include_position_table: bool = True) -> int:
+        """Parameters, counting the tied token table once."""
+        n = sum(p.numel() for p in self.parameters())
+        return n if include_position_table else n - self.wpe.weight.numel()
+
+    def embed_tokens(self, idx: torch.Tensor, pos: int = 0) -> torch.Tensor:
+        """The stream's first write: token plus position embeddings. idx [B, T] -> [B, T, D]."""
+        B, T = idx.shape
+        if pos + T > self.config.block_size:
+            raise ValueError(f"{pos + T} positions exceed the context length {self.config.block_size}")
+        positions = torch.arange(pos, pos + T, device=idx.device)  # [T]
+        return self.embed(self.drop(self.wte(idx) + self.wpe(positions)))  # [B, T, D]
+
+    def unembed(self, x: torch.Tensor) -> torch.Tensor:
+        """Read the stream out: final norm, then the tied token table. [B, T, D] -> [B, T, V]."""
+        return F.linear(self.ln_f(x), self.wte.weight)  # [B, T, V]
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        cache: KVCache | None = None,
+        block_set: BlockSet | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] for tokens idx [B, T], continuing ``cache`` when one is given."""
+        block_set = block_set or BlockSet()
+        if block_set.is_adaptive:
+            raise ValueError("adaptive exit decides per token: use lab.generate, not GPT.forward")
+        pos = cache.length if cache is not None else 0
+        if cache is not None and pos + idx.size(1) > cache.max_len:
+            raise ValueError(f"{pos + idx.size(1)} positions exceed the cache's {cache.max_len}")
+        x = self.embed_tokens(idx, pos)  # [B, T, D]
+        for i in block_set.blocks_to_run(len(self.blocks)):
+            layer_cache = cache.layer(i) if cache is not None else None
+            x = self.blocks[i](x, layer_cache, pos, overwrite=i in block_set.overwrite)
+        if cache is not None:
+            cache.length = pos + idx.size(1)
+        return self.unembed(x)  # [B, T, V]
