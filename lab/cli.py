@@ -11,9 +11,25 @@ import sys
 
 # name -> (module with main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "fit": ("lab.train", "train one model from a LightningCLI YAML config (also: validate)"),
+    # the training lab
+    "fit": ("lab.train", "train one model from a LightningCLI YAML config"),
     "validate": ("lab.train", "evaluate a checkpoint on the validation split"),
     "stall": ("lab.stall", "reproduce the post-LN warmup stall: pre-LN vs post-LN, with/without warmup"),
+    # inference
+    "builtin": ("lab.builtin", "train (once) the embedded GPT-2-shaped default model into the cache dir"),
+    "generate": ("lab.generate", "generate text from a model under a block set"),
+    "score": ("lab.generate", "mean next-token loss of a text under a block set"),
+    "serve": ("serve.app", "serve a model over HTTP with a block set chosen per request"),
+    "traffic": ("serve.traffic", "send your traffic to a server under several block sets: latency vs loss"),
+    # measurements
+    "shapes": ("lab.analysis.shapes", "the six tensors of one Block, with shapes and parameters"),
+    "params": ("lab.analysis.params", "parameters by component, with formulas"),
+    "flops": ("lab.analysis.flops", "forward FLOPs per token, analytic and counted"),
+    "bus": ("lab.analysis.bus", "residual-stream norms and each stage's write along the stack"),
+    "ablate": ("lab.analysis.ablate", "loss with each block skipped or overwriting the stream"),
+    "timing": ("lab.analysis.timing", "attention's share of a Block's wall time"),
+    "depth": ("lab.analysis.depth", "batch-1 latency of equal-parameter stacks of different depth"),
+    "cost": ("lab.analysis.cost", "training cost (6ND) in FLOPs, hours and MFU"),
 }
 
 
