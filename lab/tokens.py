@@ -1,0 +1,94 @@
+"""GPT-2's byte-pair encoding, built from the vocabulary file inside this package (works offline).
+
+    from lab import tokens
+    ids = tokens.encode("Hello world")  # [15496, 995]
+    tokens.decode(ids)                  # "Hello world"
+
+The file ``lab/assets/gpt2.tiktoken`` is tiktoken's ``r50k_base`` ranks, the same 50256 merges as
+``tiktoken.get_encoding("gpt2")``; its sha256 is checked on load so a damaged copy fails loudly
+instead of tokenising differently.
+"""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import functools
+import hashlib
+from collections.abc import Iterable, Iterator
+from importlib import resources
+from pathlib import Path
+
+import tiktoken
+
+VOCAB_FILE = Path(str(resources.files("lab") / "assets" / "gpt2.tiktoken"))
+VOCAB_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+ENDOFTEXT = "<|endoftext|>"
+EOT = 50256
+"""The id of ``<|endoftext|>``: GPT-2's document separator, and the token generation stops at."""
+VOCAB_SIZE = 50257
+
+# r50k_base's pre-tokeniser, copied from tiktoken_ext/openai_public.py (equivalent to GPT-2's
+# original pattern, faster): contractions, letters, digits, other symbols, whitespace.
+PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+
+def load_encoding(path: str | Path = VOCAB_FILE, expected_sha256: str = VOCAB_SHA256) -> tiktoken.Encoding:
+    """Build the GPT-2 encoding from a ``.tiktoken`` ranks file, after checking its sha256."""
+    data = Path(path).read_bytes()
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected_sha256:
+        raise ValueError(
+            f"{path}: sha256 {actual} does not match the GPT-2 vocabulary's {expected_sha256}; "
+            "the file is damaged or not GPT-2's (reinstall blocklab)"
+        )
+    ranks = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=PATTERN,
+        mergeable_ranks=ranks,
+        special_tokens={ENDOFTEXT: EOT},
+        explicit_n_vocab=VOCAB_SIZE,
+    )
+
+
+@functools.cache
+def encoding() -> tiktoken.Encoding:
+    """The packaged GPT-2 encoding, built once per process."""
+    return load_encoding()
+
+
+def encode(text: str, *, allow_endoftext: bool = False) -> list[int]:
+    """Token ids of ``text``. ``<|endoftext|>`` in the text is an error unless allowed (then it is 50256)."""
+    allowed = {ENDOFTEXT} if allow_endoftext else set()
+    return encoding().encode(text, allowed_special=allowed)
+
+
+def decode(ids: list[int]) -> str:
+    """The text of token ids; bytes that do not form valid UTF-8 become U+FFFD."""
+    return encoding().decode(ids)
+
+
+def decode_token_bytes(token: int) -> bytes:
+    """The raw bytes of one token (a token may hold part of a UTF-8 character)."""
+    return encoding().decode_single_token_bytes(token)
+
+
+def text_pieces(ids: Iterable[int]) -> Iterator[str]:
+    """Decode a stream of tokens piece by piece, holding back bytes of a UTF-8 character not yet complete.
+
+    Joining the pieces gives ``decode(ids)``; each piece is emitted as soon as its characters are whole,
+    which is what a streaming response needs (a token may end in the middle of a character).
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for token in ids:
+        piece = decoder.decode(decode_token_bytes(token))
+        if piece:
+            yield piece
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        yield tail
