@@ -1,0 +1,317 @@
+"""Load weights into ``lab.model.GPT`` from every place GPT-2 weights live, and save our own.
+
+    model = load_model("builtin")            # the embedded model (``blocklab builtin`` creates it)
+    model = load_model("gpt2-random")        # GPT-2 small shapes, seeded random weights (latency work)
+    model = load_model("openai-community/gpt2")  # Hugging Face hub id: cached copy, else download
+    model = load_model("path/to/hf_dir")     # config.json + model.safetensors | pytorch_model.bin
+    model = load_model("path/to/ckpt.pt")    # a nanoGPT checkpoint (model_args + model)
+    model = load_model("path/to/model_dir")  # our format: blocklab.json + model.safetensors (save_model)
+
+Every source is mapped to our parameter names, then checked key by key and shape by shape against
+the model its config describes; a mismatch names the key. Layouts: our ``Linear`` stores [in, out],
+like Hugging Face's Conv1D (no transpose); nanoGPT's ``nn.Linear`` stores [out, in] (transposed here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lab.config import GPTConfig
+from lab.model import GPT
+
+FORMAT_FILE = "blocklab.json"
+WEIGHTS_FILE = "model.safetensors"
+RANDOM_SEED = 1234
+"""Seed of ``gpt2-random``: the same random weights in every process."""
+
+
+def cache_root() -> Path:
+    """Where blocklab keeps what it creates: ``$BLOCKLAB_CACHE``, else ``~/.cache/blocklab``."""
+    return Path(os.environ.get("BLOCKLAB_CACHE") or Path.home() / ".cache" / "blocklab")
+
+
+def builtin_dir() -> Path:
+    """The directory of the embedded ``builtin`` model."""
+    return cache_root() / "builtin"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Our format
+
+
+def save_model(model: GPT, directory: str | Path, *, metadata: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` as ``blocklab.json`` (config + metadata) and ``model.safetensors``; returns the dir.
+
+    Written through temporary names then renamed, so a crash never leaves a half-written model behind.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
+    description = {
+        "format": "blocklab",
+        "config": dataclasses.asdict(model.config),
+        "metadata": metadata or {},
+    }
+    weights_tmp, format_tmp = directory / (WEIGHTS_FILE + ".tmp"), directory / (FORMAT_FILE + ".tmp")
+    save_file(state, str(weights_tmp))
+    format_tmp.write_text(json.dumps(description, indent=2) + "\n")
+    weights_tmp.replace(directory / WEIGHTS_FILE)
+    format_tmp.replace(directory / FORMAT_FILE)  # last: its presence marks a complete model
+    return directory
+
+
+def read_metadata(directory: str | Path) -> dict[str, Any]:
+    """The metadata ``save_model`` stored with a model (e.g. how the builtin model was trained)."""
+    return json.loads((Path(directory) / FORMAT_FILE).read_text())["metadata"]
+
+
+def _load_ours(directory: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    description = json.loads((directory / FORMAT_FILE).read_text())
+    if description.get("format") != "blocklab":
+        raise ValueError(f"{directory / FORMAT_FILE}: not a blocklab model description")
+    return GPTConfig(**description["config"]), load_file(str(directory / WEIGHTS_FILE))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hugging Face format (GPT2LMHeadModel / GPT2Model): config.json + safetensors or pytorch_model.bin
+
+# Hugging Face name (after dropping a leading "transformer.") -> ours. Conv1D is [in, out] like ours.
+_HF_BLOCK = re.compile(r"^h\.(\d+)\.(.+)$")
+_HF_IGNORED = re.compile(r"^(lm_head\.weight|h\.\d+\.attn\.(bias|masked_bias))$")  # tied copy, masks
+
+
+def _hf_config(config: dict[str, Any]) -> GPTConfig:
+    if config.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"config.json: model_type {config['model_type']!r} is not gpt2")
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"config.json: activation_function {activation!r}; our MLP is GELU (tanh)")
+    n_inner = config.get("n_inner")
+    if n_inner not in (None, 4 * config["n_embd"]):
+        raise ValueError(f"config.json: n_inner {n_inner}; our MLP is 4 * n_embd = {4 * config['n_embd']}")
+    for flag, expected in (
+        ("scale_attn_weights", True),
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("add_cross_attention", False),
+        ("tie_word_embeddings", True),
+    ):
+        if config.get(flag, expected) != expected:
+            raise ValueError(f"config.json: {flag}={config[flag]} is not supported (need {expected})")
+    return GPTConfig(
+        n_layer=config["n_layer"],
+        n_head=config["n_head"],
+        n_embd=config["n_embd"],
+        vocab_size=config["vocab_size"],
+        block_size=config["n_positions"],
+        layer_norm_eps=config.get("layer_norm_epsilon", 1e-5),
+    )
+
+
+def _from_hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    ours = {}
+    for name, tensor in state.items():
+        name = name.removeprefix("transformer.")
+        if _HF_IGNORED.match(name):
+            continue
+        block = _HF_BLOCK.match(name)
+        ours[f"blocks.{block[1]}.{block[2]}" if block else name] = tensor
+    return ours
+
+
+def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    index = directory / "model.safetensors.index.json"
+    if (directory / "model.safetensors").exists():
+        return load_file(str(directory / "model.safetensors"))
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(str(directory / shard)).items()}
+    if (directory / "pytorch_model.bin").exists():
+        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(
+        f"{directory}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+    )
+
+
+def _load_hf_dir(directory: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    cfg = _hf_config(json.loads((directory / "config.json").read_text()))
+    return cfg, _from_hf_names(_read_hf_weights(directory))
+
+
+def _download_hf(repo_id: str) -> Path:
+    """A local snapshot of a hub repo's config and weights: the cached one, else downloaded."""
+    from huggingface_hub import snapshot_download
+
+    safetensors = ["config.json", "*.safetensors", "model.safetensors.index.json"]
+    pickled = ["config.json", "pytorch_model.bin"]  # old repos have only this
+    errors = []
+    for local_only in (True, False):  # the cache first: no network round trip when it is there
+        try:
+            path = Path(snapshot_download(repo_id, allow_patterns=safetensors, local_files_only=local_only))
+            if not any(path.glob("*.safetensors")):
+                path = Path(snapshot_download(repo_id, allow_patterns=pickled, local_files_only=local_only))
+            return path
+        except Exception as error:  # huggingface_hub raises many types for "not cached" / "no network"
+            errors.append(f"{type(error).__name__}: {error}")
+    raise OSError(
+        f"model {repo_id!r}: not a local path, not in the Hugging Face cache, and the hub could not be "
+        f"reached or has no such repo (no network here?). Pass a local directory or checkpoint, or use "
+        f"'builtin' / 'gpt2-random'. Cache lookup: {errors[0]}. Download: {errors[1]}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# nanoGPT checkpoints (ckpt.pt from Karpathy's nanoGPT train.py)
+
+# nanoGPT's nn.Linear weights are [out, in]; ours are [in, out].
+_NANOGPT_TRANSPOSED = re.compile(r"^blocks\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
+
+
+def _load_nanogpt(checkpoint: dict[str, Any]) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    args = checkpoint["model_args"]
+    cfg = GPTConfig(
+        n_layer=args["n_layer"],
+        n_head=args["n_head"],
+        n_embd=args["n_embd"],
+        vocab_size=args["vocab_size"],
+        block_size=args["block_size"],
+        bias=args.get("bias", True),
+    )
+    state = {}
+    for name, tensor in checkpoint["model"].items():
+        name = name.removeprefix("_orig_mod.")  # torch.compile'd models save with this prefix
+        name = name.removeprefix("transformer.")
+        if _HF_IGNORED.match(name):  # same names as GPT-2's: lm_head is the tied table, attn.bias a mask
+            continue
+        block = _HF_BLOCK.match(name)
+        name = f"blocks.{block[1]}.{block[2]}" if block else name
+        state[name] = tensor.t() if _NANOGPT_TRANSPOSED.match(name) else tensor
+    return cfg, state
+
+
+# ---------------------------------------------------------------------------------------------------
+# blocklab Lightning checkpoints (lab.train.LitGPT): hyper_parameters hold the config, the GPT is `model.`
+
+
+def _load_lightning(checkpoint: dict[str, Any]) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    hparams = checkpoint.get("hyper_parameters", {})
+    config = hparams.get("config") or hparams.get("model_config")
+    if config is None:
+        raise ValueError(
+            f"Lightning checkpoint: no model config in hyper_parameters (keys: {sorted(hparams)})"
+        )
+    cfg = config if isinstance(config, GPTConfig) else GPTConfig(**dict(config))
+    prefix = "model."
+    state = {k.removeprefix(prefix): v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    return cfg, state
+
+
+def _load_checkpoint_file(path: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    # weights_only=False: nanoGPT and Lightning checkpoints pickle plain config objects; only load
+    # checkpoints you trust.
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    if "model_args" in checkpoint and "model" in checkpoint:
+        return _load_nanogpt(checkpoint)
+    if "state_dict" in checkpoint and "pytorch-lightning_version" in checkpoint:
+        return _load_lightning(checkpoint)
+    raise ValueError(
+        f"{path}: neither a nanoGPT checkpoint (model_args + model) nor a Lightning checkpoint "
+        f"(state_dict); top-level keys: {sorted(checkpoint)[:10]}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building the model
+
+
+def check_state(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
+    """Raise ValueError naming every missing, unexpected or wrongly shaped key of ``state``."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong_shape = [
+        f"{name}: {tuple(state[name].shape)} in {source}, model wants {shape}"
+        for name, shape in expected.items()
+        if name in state and tuple(state[name].shape) != shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    if wrong_shape:
+        problems.append("wrong shapes: " + "; ".join(wrong_shape))
+    if problems:
+        raise ValueError(f"{source}: weights do not fit the model: " + " | ".join(problems))
+
+
+def build_model(
+    cfg: GPTConfig,
+    state: dict[str, torch.Tensor],
+    source: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> GPT:
+    """A GPT of ``cfg`` holding ``state`` (checked key by key first), in eval mode."""
+    with torch.device("meta"):
+        model = GPT(cfg)  # no memory and no random init: every tensor is replaced below
+    check_state(model, state, source)
+    state = {name: t.to(device=device, dtype=dtype).contiguous() for name, t in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
+def random_model(
+    name: str = "gpt2", *, seed: int = RANDOM_SEED, dtype=torch.float32, device="cpu", **overrides
+) -> GPT:
+    """A preset's shapes with GPT-2's random initialisation, the same for the same seed."""
+    cfg = GPTConfig.from_name(name, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT(cfg)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_model(
+    spec: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    attention: str | None = None,
+) -> GPT:
+    """A GPT in eval mode from a spec (see the module docstring). ``attention``: 'eager' | 'sdpa' override."""
+    overrides = {} if attention is None else {"attention": attention}
+    if spec == "gpt2-random":
+        return random_model("gpt2", dtype=dtype, device=device, **overrides)
+    if spec == "builtin":
+        directory = builtin_dir()
+        if not (directory / FORMAT_FILE).exists():
+            raise FileNotFoundError(
+                f"the builtin model is not created yet ({directory} is empty): run `blocklab builtin` "
+                "once (about 10 minutes on 2 CPU cores), or set BLOCKLAB_CACHE to where it lives"
+            )
+        cfg, state = _load_ours(directory)
+    else:
+        path = Path(spec).expanduser()
+        if path.is_dir() and (path / FORMAT_FILE).exists():
+            cfg, state = _load_ours(path)
+        elif path.is_dir() and (path / "config.json").exists():
+            cfg, state = _load_hf_dir(path)
+        elif path.is_file():
+            cfg, state = _load_checkpoint_file(path)
+        elif path.exists():
+            raise ValueError(f"{path}: a directory without blocklab.json or config.json")
+        elif spec.count("/") <= 1 and not spec.startswith((".", "/", "~")):
+            cfg, state = _load_hf_dir(_download_hf(spec))
+        else:
+            raise FileNotFoundError(f"{spec}: no such file or directory")
+    cfg = dataclasses.replace(cfg, dropout=0.0, **overrides)
+    return build_model(cfg, state, spec, dtype=dtype, device=device)
