@@ -1,23 +1,57 @@
-"""Batch-1 decoding and scoring under a block set: prefill, then one token at a time from a KV cache."""
+"""Batch-1 decoding and scoring under a block set: prefill, then one token at a time from a KV cache.
+
+    for step in generate(model, tokens.encode("def main("), 40, block_set=BlockSet.parse("skip=5", 12)):
+        print(step.token, step.blocks_run)
+    score(model, tokens.encode(text)).mean_loss  # nats per token
+
+Adaptive exit (``BlockSet(adaptive_threshold=0.9, adaptive_min_blocks=4)``, spec ``adaptive=0.9;min=4``)
+decides per generated token how deep to go:
+
+- The check is *state saturation* (as in CALM, Schuster et al. 2022): after each block, the cosine
+  between what the read-out would see now and before the block, ``cos(ln_f(resid_post), ln_f(resid_pre))``.
+  Once it reaches the threshold (and at least ``adaptive_min_blocks`` blocks ran) the block barely
+  turned the prediction's direction, and the token is read out from there. The check costs one
+  LayerNorm and a dot product over the width D, against a block's 12 D^2 multiply-adds: no
+  50k-wide unembedding per block. ``scripts/bench_decode.py`` measures its cost per block.
+- State propagation: a token that exited after block e still leaves keys and values at blocks
+  e+1.. for the tokens after it. They are computed from its exit state, ``c_attn(ln_1(h_e))`` of each
+  deeper block (CALM's propagation), so later tokens that do go deep attend to every earlier
+  position. That costs the K and V projections of each skipped block (about 1/6 of the block);
+  the alternatives (attend only to positions that reached the depth, or copy the exit layer's K/V)
+  change what deep blocks see in ways the trained model never saw.
+- The prompt is prefilled through every block (one batched pass; its keys and values are exact),
+  so the first generated token is read out from the full stack; adaptive exit starts at the second.
+- ``score`` under adaptive exit decides for every position, with the same arithmetic as decoding:
+  block by block over all positions, an exited position's stream frozen at its exit state (so the
+  deeper blocks' keys and values come from that state, as in propagation).
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from lab.blocks import BlockSet
-from lab.model import GPT, KVCache
+from lab.model import GPT, Block, KVCache
 
 
 @dataclass
 class Step:
-    """One generated token and the blocks that ran to produce it."""
+    """One generated token, the blocks that ran to produce it, and why generation stopped (last step)."""
 
     token: int
     blocks_run: list[int]
+    logprob: float
+    """Log-probability (nats) of ``token`` under the model's (unscaled, full-vocabulary) distribution."""
+    finish_reason: str | None = None
+    """On the last step only: 'stop_token', 'max_new_tokens' or 'context_length'."""
 
 
 @dataclass
@@ -27,6 +61,108 @@ class Score:
     mean_loss: float
     token_losses: list[float]  # nats, for tokens 1..n-1 given the ones before
     blocks_run: list[int]
+    """The blocks a token may run: all of them for fixed sets, the deepest possible for adaptive exit."""
+    blocks_per_token: list[list[int]]
+    """The blocks that ran for each predicted position (differs per position under adaptive exit)."""
+
+    @property
+    def mean_blocks(self) -> float:
+        return sum(map(len, self.blocks_per_token)) / len(self.blocks_per_token)
+
+
+def mean_blocks(steps: list[Step]) -> float:
+    """Mean number of blocks run per generated token."""
+    return sum(len(step.blocks_run) for step in steps) / len(steps) if steps else 0.0
+
+
+def _stability(read_now: torch.Tensor, read_before: torch.Tensor) -> torch.Tensor:
+    """Cosine between consecutive read-out inputs ln_f(x), per position. [..., D] x 2 -> [...]."""
+    return F.cosine_similarity(read_now, read_before, dim=-1)
+
+
+def propagate_kv(block: Block, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], pos: int) -> None:
+    """Write ``block``'s keys and values for stream ``x`` [B, T, D] at positions pos.. without running it.
+
+    What the block's attention would have stored had the stream entered it unchanged (CALM's state
+    propagation for tokens that exited before this block). Only the K and V columns of c_attn are used.
+    """
+    B, T, D = x.shape
+    attn = block.attn
+    H, Dh = attn.n_head, attn.head_dim
+    h = block.ln_1(x) if block.norm == "pre" else x  # [B, T, D]
+    weight_kv = attn.c_attn.weight[:, D:]  # [D, 2D] the key and value columns
+    kv = h.reshape(B * T, D) @ weight_kv  # [B*T, 2D]
+    if attn.c_attn.bias is not None:
+        kv = kv + attn.c_attn.bias[D:]
+    k, v = kv.view(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4)  # 2 x [B, H, T, Dh]
+    k_cache, v_cache = cache  # [B, H, T_max, Dh] each
+    k_cache[:, :, pos : pos + T] = k
+    v_cache[:, :, pos : pos + T] = v
+
+
+class Decoder:
+    """Incremental batch-1 decoding of one sequence under one block set: a model, its cache, a position."""
+
+    def __init__(self, model: GPT, block_set: BlockSet | None = None, max_len: int | None = None):
+        self.model = model
+        self.cfg = model.config
+        self.block_set = (block_set or BlockSet()).validate(self.cfg.n_layer)
+        self.blocks = self.block_set.blocks_to_run(self.cfg.n_layer)
+        weight = model.wte.weight
+        self.cache = KVCache(self.cfg, max_len=max_len, device=weight.device, dtype=weight.dtype)
+        self.fixed = None if self.block_set.is_adaptive else self.block_set
+
+    @property
+    def position(self) -> int:
+        return self.cache.length
+
+    def _as_idx(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor([tokens], device=self.model.wte.weight.device)  # [1, T]
+
+    @torch.inference_mode()
+    def prefill(self, tokens: list[int]) -> torch.Tensor:
+        """Run ``tokens`` through every block of the set in one pass; the logits [V] after the last."""
+        if not tokens:
+            raise ValueError("prompt: needs at least one token")
+        if self.position + len(tokens) > self.cache.max_len:
+            raise ValueError(
+                f"prompt: {self.position + len(tokens)} tokens exceed the context of {self.cache.max_len}"
+            )
+        # adaptive exit: the prompt runs every block of the set (keys and values exact for all depths)
+        block_set = self.fixed or BlockSet(skip=self.block_set.skip, overwrite=self.block_set.overwrite)
+        return self.model(self._as_idx(tokens), cache=self.cache, block_set=block_set)[0, -1]  # [V]
+
+    @torch.inference_mode()
+    def step(self, token: int) -> tuple[torch.Tensor, list[int]]:
+        """Feed one token; the logits [V] for the next one and the blocks that ran."""
+        if self.position >= self.cache.max_len:
+            raise ValueError(f"context full: {self.cache.max_len} positions")
+        if self.fixed is not None:
+            return self.model(self._as_idx([token]), cache=self.cache, block_set=self.fixed)[
+                0, -1
+            ], self.blocks
+        return self._adaptive_step(token)
+
+    def _adaptive_step(self, token: int) -> tuple[torch.Tensor, list[int]]:
+        model, block_set, pos = self.model, self.block_set, self.position
+        threshold, min_blocks = block_set.adaptive_threshold, block_set.adaptive_min_blocks
+        x = model.embed_tokens(self._as_idx([token]), pos)  # [1, 1, D]
+        read_before = None  # ln_f of the stream before the block just run, once checks begin
+        ran = 0
+        for ran, i in enumerate(self.blocks, start=1):
+            checking = min_blocks <= ran < len(self.blocks)
+            if checking and read_before is None:
+                read_before = model.ln_f(x)  # [1, 1, D]
+            x = model.blocks[i](x, self.cache.layer(i), pos, overwrite=i in block_set.overwrite)
+            if checking:
+                read_now = model.ln_f(x)  # [1, 1, D]
+                if float(_stability(read_now, read_before)) >= threshold:
+                    break
+                read_before = read_now
+        for i in self.blocks[ran:]:  # exited early: deeper blocks still need this position's K/V
+            propagate_kv(model.blocks[i], x, self.cache.layer(i), pos)
+        self.cache.length = pos + 1
+        return model.unembed(x)[0, -1], self.blocks[:ran]  # [V]
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> int:
@@ -40,7 +176,6 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator
     return int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator))
 
 
-@torch.inference_mode()
 def generate(
     model: GPT,
     prompt: list[int],
@@ -52,29 +187,81 @@ def generate(
     stop_token: int | None = None,
     block_set: BlockSet | None = None,
 ) -> Iterator[Step]:
-    """Yield tokens one at a time after ``prompt``, stopping at ``stop_token`` or the context length."""
+    """Yield tokens one at a time after ``prompt``; stop at ``stop_token``, max_new_tokens or the context.
+
+    ``temperature`` 0 is greedy; otherwise sampling, from the ``top_k`` most likely when given, drawn
+    from a generator seeded with ``seed`` (None: a fresh random seed).
+    """
     cfg = model.config
-    block_set = (block_set or BlockSet()).validate(cfg.n_layer)
+    if temperature < 0:
+        raise ValueError(f"temperature: must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k: must be >= 1, got {top_k}")
     if not prompt:
         raise ValueError("prompt: needs at least one token")
-    max_new_tokens = min(max_new_tokens, cfg.block_size - len(prompt))
-    if max_new_tokens <= 0:
+    if len(prompt) > cfg.block_size:
+        raise ValueError(f"prompt: {len(prompt)} tokens exceed the context length {cfg.block_size}")
+    room = cfg.block_size - len(prompt)
+    budget = min(max_new_tokens, room)
+    if budget <= 0:
         return
-    device = model.wte.weight.device
-    generator = torch.Generator(device=device)
-    if seed is not None:
+    decoder = Decoder(model, block_set, max_len=len(prompt) + budget)
+    generator = torch.Generator(device=model.wte.weight.device)
+    if seed is None:
+        generator.seed()
+    else:
         generator.manual_seed(seed)
-    cache = KVCache(cfg, max_len=len(prompt) + max_new_tokens, device=device, dtype=model.wte.weight.dtype)
-    blocks_run = block_set.blocks_to_run(cfg.n_layer)
-    idx = torch.tensor([prompt], device=device)  # [1, T]
-    logits = model(idx, cache=cache, block_set=block_set)[0, -1]  # [V]
-    for produced in range(max_new_tokens):
-        token = _pick(logits.float(), temperature, top_k, generator)
-        yield Step(token=token, blocks_run=blocks_run)
-        if token == stop_token or produced + 1 == max_new_tokens:
+    logits = decoder.prefill(prompt)
+    blocks_run = decoder.blocks
+    for produced in range(1, budget + 1):
+        logits = logits.float()
+        token = _pick(logits, temperature, top_k, generator)
+        logprob = float(logits[token] - torch.logsumexp(logits, dim=-1))
+        if token == stop_token:
+            reason = "stop_token"
+        elif produced == budget:
+            reason = "max_new_tokens" if produced == max_new_tokens else "context_length"
+        else:
+            reason = None
+        yield Step(token=token, blocks_run=blocks_run, logprob=logprob, finish_reason=reason)
+        if reason is not None:
             return
-        idx = torch.tensor([[token]], device=device)  # [1, 1]
-        logits = model(idx, cache=cache, block_set=block_set)[0, -1]  # [V]
+        logits, blocks_run = decoder.step(token)
+
+
+@torch.inference_mode()
+def adaptive_forward(
+    model: GPT, idx: torch.Tensor, block_set: BlockSet, n_full: int = 0
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """Logits [B, T, V] under adaptive exit for all positions at once, and the blocks each position ran.
+
+    The same arithmetic as decoding token by token (``Decoder``), block by block over all positions:
+    an exited position's stream stays at its exit state, so deeper blocks compute its keys and values
+    from that state. Positions before ``n_full`` (a prompt) run every block. Batch size 1.
+    """
+    B, T = idx.shape
+    if B != 1:
+        raise ValueError(f"adaptive_forward: batch size 1 only, got {B}")
+    block_set = block_set.validate(model.config.n_layer)
+    blocks = block_set.blocks_to_run(model.config.n_layer)
+    x = model.embed_tokens(idx)  # [1, T, D]
+    active = torch.ones(T, dtype=torch.bool, device=idx.device)  # [T] still going deeper
+    may_exit = torch.arange(T, device=idx.device) >= n_full  # [T]
+    depth = torch.zeros(T, dtype=torch.long)  # [T] blocks run so far
+    read_before = None
+    for ran, i in enumerate(blocks, start=1):
+        checking = block_set.adaptive_min_blocks <= ran < len(blocks)
+        if checking and read_before is None:
+            read_before = model.ln_f(x)  # [1, T, D]
+        out = model.blocks[i](x, overwrite=i in block_set.overwrite)  # [1, T, D]
+        x = torch.where(active[None, :, None], out, x)  # exited positions keep their exit state
+        depth += active.cpu()
+        if checking:
+            read_now = model.ln_f(x)  # [1, T, D]
+            stable = _stability(read_now, read_before)[0] >= block_set.adaptive_threshold  # [T]
+            active &= ~(stable & may_exit)
+            read_before = read_now
+    return model.unembed(x), [blocks[:d] for d in depth.tolist()]
 
 
 @torch.inference_mode()
@@ -82,13 +269,138 @@ def score(model: GPT, tokens: list[int], block_set: BlockSet | None = None) -> S
     """Mean next-token loss (nats) of ``tokens`` under ``block_set``, with the loss of each token."""
     cfg = model.config
     block_set = (block_set or BlockSet()).validate(cfg.n_layer)
-    if not 2 <= len(tokens) <= cfg.block_size:
-        raise ValueError(f"tokens: need 2..{cfg.block_size} tokens to score, got {len(tokens)}")
-    idx = torch.tensor([tokens], device=model.wte.weight.device)  # [1, T]
-    logits = model(idx[:, :-1], block_set=block_set)[0].float()  # [T-1, V]
-    losses = F.cross_entropy(logits, idx[0, 1:], reduction="none")  # [T-1]
+    if not 2 <= len(tokens) <= cfg.block_size + 1:
+        raise ValueError(f"tokens: need 2..{cfg.block_size + 1} tokens to score, got {len(tokens)}")
+    idx = torch.tensor([tokens], device=model.wte.weight.device)  # [1, T+1]
+    blocks = block_set.blocks_to_run(cfg.n_layer)
+    if block_set.is_adaptive:
+        logits, per_token = adaptive_forward(model, idx[:, :-1], block_set)
+    else:
+        logits, per_token = model(idx[:, :-1], block_set=block_set), [blocks] * (len(tokens) - 1)
+    losses = F.cross_entropy(logits[0].float(), idx[0, 1:], reduction="none")  # [T]
     return Score(
         mean_loss=float(losses.mean()),
         token_losses=losses.tolist(),
-        blocks_run=block_set.blocks_to_run(cfg.n_layer),
+        blocks_run=blocks,
+        blocks_per_token=per_token,
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# blocklab generate / blocklab score
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    what = "generate text after a prompt" if command == "generate" else "mean next-token loss of a text"
+    parser = argparse.ArgumentParser(prog=f"blocklab {command}", description=f"{what}, under a block set.")
+    parser.add_argument("--model", default="builtin", help="builtin | gpt2-random | HF id or dir | ckpt.pt")
+    text = parser.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", "--text", dest="text", help="the text (prompt for generate)")
+    text.add_argument("--file", help="read the text from this UTF-8 file ('-': stdin)")
+    parser.add_argument(
+        "--blocks", default="all", help="block set spec, e.g. skip=3,4 | exit=6 | adaptive=0.9;min=4"
+    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    if command == "generate":
+        parser.add_argument("--max-new-tokens", type=int, default=64)
+        parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+        parser.add_argument("--top-k", type=int, default=None)
+        parser.add_argument("--seed", type=int, default=None)
+    return parser
+
+
+def _read_text(args: argparse.Namespace) -> str:
+    if args.text is not None:
+        return args.text
+    if args.file == "-":
+        return sys.stdin.read()
+    with open(args.file, encoding="utf-8") as f:
+        return f.read()
+
+
+def _run_generate(model: GPT, block_set: BlockSet, args: argparse.Namespace, text: str) -> dict:
+    from lab import tokens
+
+    prompt = tokens.encode(text, allow_endoftext=True)
+    steps: list[Step] = []
+    times: list[float] = [time.perf_counter()]  # start, then the moment each token was ready
+
+    def generated_tokens() -> Iterator[int]:
+        stream = generate(
+            model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+            seed=args.seed, stop_token=tokens.EOT, block_set=block_set,
+        )  # fmt: skip
+        for step in stream:
+            times.append(time.perf_counter())
+            steps.append(step)
+            yield step.token
+
+    for piece in tokens.text_pieces(generated_tokens()):
+        if not args.json:
+            print(piece, end="", flush=True)
+    decode_ms = (times[-1] - times[1]) * 1e3 / (len(steps) - 1) if len(steps) > 1 else float("nan")
+    return {
+        "model": args.model,
+        "blocks": str(block_set),
+        "prompt_tokens": len(prompt),
+        "text": tokens.decode([s.token for s in steps]),
+        "tokens": [s.token for s in steps],
+        "blocks_per_token": [s.blocks_run for s in steps],
+        "mean_blocks": mean_blocks(steps),
+        "finish_reason": steps[-1].finish_reason if steps else "context_length",
+        "first_token_ms": (times[1] - times[0]) * 1e3 if steps else float("nan"),
+        "decode_ms_per_token": decode_ms,
+    }
+
+
+def _run_score(model: GPT, block_set: BlockSet, args: argparse.Namespace, text: str) -> dict:
+    from lab import tokens
+
+    ids = tokens.encode(text, allow_endoftext=True)
+    limit = model.config.block_size + 1
+    if len(ids) > limit:
+        print(f"note: scoring the first {limit} of {len(ids)} tokens (the context length)", file=sys.stderr)
+        ids = ids[:limit]
+    result = score(model, ids, block_set)
+    return {
+        "model": args.model,
+        "blocks": str(block_set),
+        **asdict(result),
+        "mean_blocks": result.mean_blocks,
+    }
+
+
+def main(argv: list[str]) -> int:
+    """``blocklab generate ...`` / ``blocklab score ...``: argv[0] is the subcommand."""
+    command, rest = argv[0], argv[1:]
+    args = _parser(command).parse_args(rest)
+    from lab.weights import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model, dtype=getattr(torch, args.dtype))
+    block_set = BlockSet.parse(args.blocks, model.config.n_layer)
+    text = _read_text(args)
+    if command == "generate":
+        result = _run_generate(model, block_set, args, text)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(
+                f"\n[{len(result['tokens'])} tokens, {result['mean_blocks']:.2f} of {model.config.n_layer} "
+                f"blocks/token, {result['decode_ms_per_token']:.1f} ms/token, "
+                f"stopped: {result['finish_reason']}]",
+                file=sys.stderr,
+            )
+        return 0
+    result = _run_score(model, block_set, args, text)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"{result['mean_loss']:.4f} nats/token over {len(result['token_losses'])} tokens, "
+            f"blocks {result['blocks']}, {result['mean_blocks']:.2f} of {model.config.n_layer} blocks/token"
+        )
+    return 0

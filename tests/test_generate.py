@@ -1,0 +1,192 @@
+"""Decoding and scoring: cache == no cache, sampling, stopping, context bound, adaptive exit, the CLI."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lab.blocks import BlockSet
+from lab.config import GPTConfig
+from lab.generate import Decoder, adaptive_forward, generate, main, mean_blocks, propagate_kv, score
+from lab.hooks import capture
+from lab.model import GPT
+
+CFG = GPTConfig(n_layer=6, n_head=2, n_embd=32, vocab_size=71, block_size=48)
+FIXED_SETS = ["all", "skip=1,4", "keep=0,5", "overwrite=2", "exit=3", "skip=0;overwrite=3;exit=5"]
+MIXED = "adaptive=0.995;min=2"  # on the random model below, some tokens exit early and some do not
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return GPT(CFG).eval()
+
+
+def prompt_tokens(n=6, seed=1):
+    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def decode_all(model, block_set, prompt, new_tokens):
+    """Teacher-forced incremental decoding: logits after the prompt and after each of ``new_tokens``."""
+    decoder = Decoder(model, block_set)
+    logits, depths = [decoder.prefill(prompt)], [decoder.blocks]
+    for token in new_tokens:
+        step_logits, blocks_run = decoder.step(token)
+        logits.append(step_logits)
+        depths.append(blocks_run)
+    return torch.stack(logits), depths, decoder
+
+
+@pytest.mark.parametrize("spec", FIXED_SETS)
+def test_cache_equals_no_cache(model, spec):
+    block_set = BlockSet.parse(spec, CFG.n_layer)
+    prompt = prompt_tokens()
+    steps = list(generate(model, prompt, 10, block_set=block_set))
+    new = [s.token for s in steps]
+    assert all(s.blocks_run == block_set.blocks_to_run(CFG.n_layer) for s in steps)
+    cached, _, _ = decode_all(model, block_set, prompt, new[:-1])
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + new[:-1]]), block_set=block_set)[0, len(prompt) - 1 :]
+    assert (cached - full).abs().max() <= 1e-4
+    assert new == full.argmax(-1).tolist()  # greedy picks what a full forward pass would
+
+
+def test_adaptive_cache_equals_parallel_forward(model):
+    """Decoding token by token with state propagation == the all-positions adaptive pass, depth by depth."""
+    block_set = BlockSet.parse(MIXED, CFG.n_layer)
+    prompt, new = prompt_tokens(), prompt_tokens(n=25, seed=2)
+    cached, depths, _ = decode_all(model, block_set, prompt, new)
+    full, full_depths = adaptive_forward(model, torch.tensor([prompt + new]), block_set, n_full=len(prompt))
+    assert depths == full_depths[len(prompt) - 1 :]
+    assert (cached - full[0, len(prompt) - 1 :]).abs().max() <= 1e-4
+    lengths = {len(d) for d in depths[1:]}
+    assert min(lengths) < CFG.n_layer and max(lengths) == CFG.n_layer, "the test wants a mix of depths"
+
+
+def test_adaptive_threshold_controls_depth(model):
+    prompt = prompt_tokens()
+    everything = list(generate(model, prompt, 12, block_set=BlockSet.parse("adaptive=1.0", CFG.n_layer)))
+    shallow = list(generate(model, prompt, 12, block_set=BlockSet.parse("adaptive=0.5;min=2", CFG.n_layer)))
+    assert mean_blocks(everything) == CFG.n_layer
+    assert all(s.blocks_run == [0, 1] for s in shallow[1:])  # exits at the minimum depth
+    assert shallow[0].blocks_run == list(range(CFG.n_layer))  # read out after the full prefill
+    assert mean_blocks(shallow) < mean_blocks(everything)
+
+
+def test_adaptive_respects_skip(model):
+    block_set = BlockSet.parse("skip=0,1;adaptive=0.5;min=2", CFG.n_layer)
+    steps = list(generate(model, prompt_tokens(), 6, block_set=block_set))
+    assert steps[0].blocks_run == [2, 3, 4, 5]
+    assert all(s.blocks_run == [2, 3] for s in steps[1:])
+
+
+@torch.inference_mode()
+def test_propagated_kv_is_ln1_c_attn_of_the_exit_state(model):
+    block_set = BlockSet.parse("adaptive=0.5;min=2", CFG.n_layer)
+    decoder = Decoder(model, block_set)
+    decoder.prefill(prompt_tokens())
+    pos = decoder.position
+    with capture(model, "blocks.1.resid_post") as seen:
+        _, blocks_run = decoder.step(5)
+    assert blocks_run == [0, 1]
+    exit_state = seen["blocks.1.resid_post"]  # [1, 1, D]
+    D = CFG.n_embd
+    for i in range(2, CFG.n_layer):
+        block = model.blocks[i]
+        qkv = block.attn.c_attn(block.ln_1(exit_state))[0, 0]  # [3D]
+        k = decoder.cache.k[i, 0, :, pos].reshape(D)  # [H, Dh] -> [D]
+        v = decoder.cache.v[i, 0, :, pos].reshape(D)
+        torch.testing.assert_close(k, qkv[D : 2 * D])
+        torch.testing.assert_close(v, qkv[2 * D :])
+    # and a direct call writes the same
+    k_before = decoder.cache.k[3, :, :, pos].clone()
+    decoder.cache.k[3, :, :, pos] = 0
+    propagate_kv(model.blocks[3], exit_state, decoder.cache.layer(3), pos)
+    torch.testing.assert_close(decoder.cache.k[3, :, :, pos], k_before)
+
+
+def test_greedy_is_deterministic(model):
+    a = [s.token for s in generate(model, prompt_tokens(), 15)]
+    b = [s.token for s in generate(model, prompt_tokens(), 15)]
+    assert a == b
+
+
+def test_seeded_sampling_is_reproducible(model):
+    def sample(seed, top_k=None):
+        steps = generate(model, prompt_tokens(), 20, temperature=5.0, top_k=top_k, seed=seed)
+        return [s.token for s in steps]
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+    greedy_first = next(generate(model, prompt_tokens(), 1)).token
+    assert set(sample(3, top_k=1)[:1]) == {greedy_first}  # top-1 sampling is greedy
+
+
+def test_logprob_is_of_the_chosen_token(model):
+    prompt = prompt_tokens()
+    step = next(generate(model, prompt, 1))
+    with torch.no_grad():
+        expected = F.log_softmax(model(torch.tensor([prompt]))[0, -1], dim=-1)[step.token]
+    assert step.logprob == pytest.approx(float(expected), abs=1e-5)
+
+
+def test_stop_token_ends_generation(model):
+    free = [s.token for s in generate(model, prompt_tokens(), 10)]
+    stop = free[3]
+    steps = list(generate(model, prompt_tokens(), 10, stop_token=stop))
+    assert [s.token for s in steps] == free[: free.index(stop) + 1]
+    assert steps[-1].finish_reason == "stop_token"
+    assert all(s.finish_reason is None for s in steps[:-1])
+
+
+def test_context_length_bounds_generation(model):
+    steps = list(generate(model, prompt_tokens(CFG.block_size - 3), 10))
+    assert len(steps) == 3 and steps[-1].finish_reason == "context_length"
+    assert list(generate(model, prompt_tokens(CFG.block_size), 10)) == []
+    steps = list(generate(model, prompt_tokens(), 4))
+    assert len(steps) == 4 and steps[-1].finish_reason == "max_new_tokens"
+    with pytest.raises(ValueError, match="exceed the context length"):
+        list(generate(model, prompt_tokens(CFG.block_size + 1), 1))
+
+
+@pytest.mark.parametrize("spec", ["all", "skip=2", "exit=4"])
+def test_score_is_the_mean_cross_entropy(model, spec):
+    tokens = prompt_tokens(20)
+    block_set = BlockSet.parse(spec, CFG.n_layer)
+    result = score(model, tokens, block_set)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens[:-1]]), block_set=block_set)[0]
+    expected = F.cross_entropy(logits, torch.tensor(tokens[1:]), reduction="none")
+    torch.testing.assert_close(torch.tensor(result.token_losses), expected)
+    assert result.mean_loss == pytest.approx(float(expected.mean()), abs=1e-6)
+    assert result.blocks_per_token == [block_set.blocks_to_run(CFG.n_layer)] * 19
+
+
+def test_adaptive_score(model):
+    tokens = prompt_tokens(30)
+    full = score(model, tokens)
+    everything = score(model, tokens, BlockSet.parse("adaptive=1.0", CFG.n_layer))
+    assert everything.mean_loss == pytest.approx(full.mean_loss, abs=1e-5)
+    mixed = score(model, tokens, BlockSet.parse(MIXED, CFG.n_layer))
+    assert everything.mean_blocks == CFG.n_layer > mixed.mean_blocks
+    assert mixed.mean_loss != pytest.approx(full.mean_loss, abs=1e-5)
+
+
+def test_cli_generate_and_score(tmp_path, capsys):
+    from lab.config import GPT2_VOCAB_SIZE
+    from lab.weights import save_model
+
+    torch.manual_seed(0)
+    save_model(GPT(GPTConfig(n_layer=2, n_embd=16, vocab_size=GPT2_VOCAB_SIZE, block_size=32)), tmp_path)
+    common = ["--model", str(tmp_path), "--json"]
+    args = ["--prompt", "def f(x):", "--max-new-tokens", "5", "--blocks", "skip=1"]
+    assert main(["generate", *common, *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["tokens"]) == 5 and out["blocks_per_token"] == [[0]] * 5 and out["mean_blocks"] == 1.0
+    assert out["finish_reason"] in ("max_new_tokens", "stop_token")
+    text_file = tmp_path / "text.txt"
+    text_file.write_text("import os\nprint(os.getcwd())\n")
+    assert main(["score", *common, "--file", str(text_file), "--blocks", "adaptive=1.0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mean_blocks"] == 2.0 and len(out["token_losses"]) == len(out["blocks_per_token"]) > 5
