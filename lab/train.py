@@ -1,0 +1,239 @@
+"""The training lab's Lightning side: ``LitGPT`` owns loss, metrics, optimiser and schedule; the CLI.
+
+    blocklab fit --config configs/postln.yaml --trainer.max_steps 50
+    blocklab fit --config configs/postln.yaml --ckpt_path last        # resume runs/postln
+    blocklab validate --config configs/postln.yaml --ckpt_path runs/postln/checkpoints/last.ckpt
+
+``LitGPT`` is handed a ``GPTConfig`` and trains ``lab.model.GPT`` on any data module whose batches are
+``(x, y)`` long tensors ``[B, T]`` with ``y`` the next token of each ``x``. It reads three optional
+attributes of the data module: ``seq_len`` and ``vocab_size`` (checked against the model before
+training starts) and ``baselines`` (``{name: nats}``, logged as ``baseline/<name>`` lines).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict, replace
+from typing import Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.cli import LightningCLI
+from torch import nn
+from torchmetrics import MeanMetric
+
+from lab.config import GPTConfig
+from lab.data import CharDataModule, DataError
+from lab.model import GPT
+
+TINY = GPTConfig()  # the dataclass's defaults: a tiny valid model
+
+
+def learning_rate(
+    step: int,
+    lr: float,
+    warmup_steps: int = 0,
+    schedule: Literal["constant", "cosine"] = "constant",
+    min_lr: float = 0.0,
+    max_steps: int | None = None,
+) -> float:
+    """The learning rate of optimiser step ``step`` (0-based): linear warmup, then constant or cosine.
+
+    Warmup reaches ``lr`` at step ``warmup_steps - 1``; cosine falls from ``lr`` after warmup to
+    ``min_lr`` at ``max_steps`` and stays there.
+    """
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    if max_steps is None or max_steps <= warmup_steps:
+        raise ValueError(
+            f"a cosine schedule needs max_steps > warmup_steps ({warmup_steps}), got {max_steps}"
+        )
+    progress = min((step - warmup_steps) / (max_steps - warmup_steps), 1.0)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+class LitGPT(L.LightningModule):
+    """A GPT trained for next-token cross entropy with AdamW, warmup and a constant or cosine schedule."""
+
+    def __init__(
+        self,
+        config: GPTConfig = TINY,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.1,
+        warmup_steps: int = 0,
+        schedule: Literal["constant", "cosine"] = "constant",
+        min_lr: float = 0.0,
+        max_steps: int | None = None,
+    ):
+        """
+        Args:
+            config: The model's shape and variant (or a dict of its fields, as checkpoints store it);
+                the CLI sets vocab_size from the data module.
+            lr: Peak learning rate of AdamW.
+            betas: AdamW's moment decay rates.
+            weight_decay: Decoupled weight decay, applied to matrices only (weights and embedding
+                tables); biases and LayerNorm parameters are not decayed.
+            warmup_steps: Optimiser steps of linear warmup from lr/warmup_steps to lr (0: none).
+            schedule: After warmup, hold lr (constant) or follow a cosine down to min_lr (cosine).
+            min_lr: Where the cosine ends.
+            max_steps: Where the cosine ends; default: the trainer's max_steps.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        # A checkpoint holds the config as a plain dict, so it loads with torch.load(weights_only=True).
+        self.config = GPTConfig(**config) if isinstance(config, dict) else replace(config)
+        self.hparams["config"] = asdict(self.config)
+        self.model = GPT(self.config)
+        self.metrics = nn.ModuleDict(
+            {f"{stage}_{name}": MeanMetric() for stage in ("train", "val") for name in ("loss", "bpc")}
+        )
+        self.nonfinite_steps = 0
+        self.baselines: dict[str, float] = {}
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)  # [B, T, V]
+
+    def setup(self, stage: str) -> None:
+        data = self.trainer.datamodule if self.trainer is not None else None
+        seq_len = getattr(data, "seq_len", None)
+        if seq_len is not None and seq_len > self.config.block_size:
+            raise DataError(
+                f"seq_len {seq_len} is longer than the model's block_size {self.config.block_size}"
+            )
+        vocab_size = getattr(data, "vocab_size", None)
+        if vocab_size is not None and vocab_size > self.config.vocab_size:
+            raise DataError(
+                f"the data has {vocab_size} tokens, the model's vocab_size is {self.config.vocab_size}"
+            )
+        self.baselines = dict(getattr(data, "baselines", {}))
+
+    def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor | None:
+        """Cross entropy of the batch, logged as ``{stage}/loss`` and ``{stage}/bpc``; None if not finite."""
+        x, y = batch  # [B, T] each
+        logits = self.model(x)  # [B, T, V]
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())  # mean over B*T tokens
+        # Every rank must agree, or DDP would wait forever for a skipping rank's gradients.
+        if not self.trainer.strategy.reduce_boolean_decision(bool(torch.isfinite(loss)), all=True):
+            return None
+        for name, value in (("loss", loss), ("bpc", loss / math.log(2))):
+            metric = self.metrics[f"{stage}_{name}"]
+            metric(value.detach())
+            # train: this step's value; val: the mean over the validation set.
+            self.log(
+                f"{stage}/{name}",
+                metric,
+                on_step=stage == "train",
+                on_epoch=stage != "train",
+                prog_bar=name == "loss",
+            )
+        return loss
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        loss = self._step(batch, "train")
+        if loss is None:
+            # Returning None skips backward and the update (Lightning's default would train on a NaN).
+            self.nonfinite_steps += 1
+        self.log("train/nonfinite_steps", float(self.nonfinite_steps))
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        for name, nats in self.baselines.items():
+            self.log(f"baseline/{name}", nats)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:  # a skipped step
+            return
+        grad_norm = torch.nn.utils.get_total_norm(grads)  # before the trainer's gradient_clip_val
+        self.log("grad_norm", grad_norm)
+        if not torch.isfinite(grad_norm):
+            # A finite loss can still overflow in backward: drop the gradients so AdamW skips every
+            # parameter (and clipping has nothing to scale), and count the step as skipped.
+            optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_steps += 1
+            self.log("train/nonfinite_steps", float(self.nonfinite_steps))
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": hp.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        max_steps = hp.max_steps
+        if hp.schedule == "cosine" and max_steps is None:
+            max_steps = self.trainer.max_steps
+        learning_rate(hp.warmup_steps, 1.0, hp.warmup_steps, hp.schedule, 0.0, max_steps)  # fail early
+
+        def factor(step: int) -> float:
+            return learning_rate(step, 1.0, hp.warmup_steps, hp.schedule, hp.min_lr / hp.lr, max_steps)
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["nonfinite_steps"] = self.nonfinite_steps
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.nonfinite_steps = checkpoint.get("nonfinite_steps", 0)
+
+
+# The data is an endless random-window stream (lab.data): there are no epochs, so validation runs every
+# val_check_interval steps, and the loader must not be replaced by a DistributedSampler (it splits the
+# stream across ranks itself).
+STREAM_TRAINER_ARGS = {"check_val_every_n_epoch": None, "use_distributed_sampler": False}
+
+# Defaults of `blocklab fit`: one run directory runs/<version> holds the TensorBoard events, config.yaml
+# and checkpoints/. The version is pinned, so a restart finds runs/<version>/checkpoints/last.ckpt again
+# (an unpinned logger would move on to a new version_N folder and `--ckpt_path last` would find nothing).
+TRAINER_DEFAULTS = {
+    **STREAM_TRAINER_ARGS,
+    "max_steps": 300,
+    "val_check_interval": 100,
+    "gradient_clip_val": 1.0,
+    "log_every_n_steps": 1,
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+        "init_args": {"save_dir": "runs", "name": "", "version": "default"},
+    },
+}
+
+
+class LabCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(L.pytorch.callbacks.ModelCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0})
+        parser.set_defaults({"checkpoint.every_n_train_steps": 100})
+        parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
+
+    def parse_arguments(self, parser, args) -> None:
+        # args always comes from `blocklab` (lab.cli), which also leaves it in sys.argv: the base class
+        # would warn about getting both.
+        self.config = parser.parse_args(args)
+
+
+def main(argv: list[str]) -> int:
+    """``blocklab fit|validate [--config YAML] [overrides]``: argv[0] is the subcommand."""
+    try:
+        LabCLI(
+            LitGPT,
+            CharDataModule,
+            args=argv,
+            trainer_defaults=TRAINER_DEFAULTS,
+            auto_configure_optimizers=False,
+            parser_kwargs={"prog": f"blocklab {argv[0]}"},
+            save_config_kwargs={"overwrite": True},
+        )
+    except DataError as err:
+        print(f"blocklab {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,268 @@
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lab.config import GPTConfig
+from lab.data import CharDataModule
+from lab.train import STREAM_TRAINER_ARGS, LitGPT, learning_rate, main
+
+TINY_MODEL = ["--model.config.n_layer", "2", "--model.config.n_head", "2", "--model.config.n_embd", "16"]
+TINY_DATA = ["--model.config.block_size", "16", "--data.seq_len", "16", "--data.batch_size", "4"]
+
+
+@pytest.fixture
+def text_file(tmp_path) -> str:
+    path = tmp_path / "text.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    return str(path)
+
+
+def tiny_fit_args(run_dir: Path, text_file: str, *extra: str) -> list[str]:
+    return [
+        "fit",
+        *TINY_MODEL,
+        *TINY_DATA,
+        "--data.paths",
+        f"[{text_file}]",
+        "--data.val_batches",
+        "2",
+        "--seed_everything",
+        "1",
+        "--model.warmup_steps",
+        "4",
+        "--trainer.logger.init_args.save_dir",
+        str(run_dir.parent),
+        "--trainer.logger.init_args.version",
+        run_dir.name,
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        *extra,
+    ]
+
+
+def tiny_trainer(tmp_path: Path, steps: int, **kwargs) -> L.Trainer:
+    return L.Trainer(
+        **STREAM_TRAINER_ARGS,
+        max_steps=steps,
+        val_check_interval=steps,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def tiny_data(text_file: str) -> CharDataModule:
+    return CharDataModule(paths=[text_file], seq_len=16, batch_size=4, val_batches=2)
+
+
+def test_warmup_then_cosine_values():
+    lr, warmup, end = 1e-3, 100, 1000
+    assert learning_rate(0, lr, warmup) == pytest.approx(lr / warmup)
+    assert learning_rate(warmup // 2, lr, warmup) == pytest.approx(lr * (warmup // 2 + 1) / warmup)
+    assert learning_rate(warmup - 1, lr, warmup) == pytest.approx(lr)
+    assert learning_rate(warmup, lr, warmup, "cosine", 1e-4, end) == pytest.approx(lr)
+    assert learning_rate((warmup + end) // 2, lr, warmup, "cosine", 1e-4, end) == pytest.approx(
+        (lr + 1e-4) / 2
+    )
+    assert learning_rate(end, lr, warmup, "cosine", 1e-4, end) == pytest.approx(1e-4)
+    assert learning_rate(end + 50, lr, warmup, "cosine", 1e-4, end) == pytest.approx(1e-4)
+    assert learning_rate(5000, lr, warmup, "constant") == lr
+    with pytest.raises(ValueError, match="cosine schedule needs max_steps"):
+        learning_rate(200, lr, warmup, "cosine")
+
+
+def test_scheduler_follows_the_schedule_per_step():
+    lit = LitGPT(GPTConfig(), lr=1e-3, warmup_steps=4, schedule="cosine", min_lr=1e-4, max_steps=10)
+    setup = lit.configure_optimizers()
+    optimizer, scheduler = setup["optimizer"], setup["lr_scheduler"]["scheduler"]
+    assert setup["lr_scheduler"]["interval"] == "step"
+    seen = []
+    for _ in range(12):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    expected = [learning_rate(s, 1e-3, 4, "cosine", 1e-4, 10) for s in range(12)]
+    assert seen == pytest.approx(expected)
+    assert all(group["lr"] == optimizer.param_groups[0]["lr"] for group in optimizer.param_groups)
+
+
+def test_weight_decay_only_on_matrices():
+    lit = LitGPT(GPTConfig())
+    decay, no_decay = lit.configure_optimizers()["optimizer"].param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): name for name, p in lit.model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert "wte.weight" in decayed and "blocks.0.attn.c_attn.weight" in decayed
+    assert all(".ln_" not in name and not name.endswith(".bias") for name in decayed)
+    assert {names[id(p)] for p in no_decay["params"]} == set(names.values()) - decayed
+
+
+def test_nonfinite_loss_skips_the_step_and_checkpoints_stay_finite(tmp_path, text_file):
+    lit = LitGPT(GPTConfig(n_layer=2, n_embd=16, block_size=16, vocab_size=64))
+    forward, calls = lit.model.forward, []
+
+    def poisoned(idx, *args, **kwargs):
+        calls.append(1)
+        logits = forward(idx, *args, **kwargs)
+        return logits * float("nan") if len(calls) == 3 else logits  # the third training step
+
+    lit.model.forward = poisoned
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1)
+    trainer = tiny_trainer(tmp_path, 6, callbacks=[checkpoint], enable_checkpointing=True)
+    trainer.fit(lit, tiny_data(text_file))
+
+    assert trainer.global_step == 6
+    assert lit.nonfinite_steps == 1
+    assert trainer.callback_metrics["train/nonfinite_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in lit.parameters())
+    adam_steps = {float(state["step"]) for state in trainer.optimizers[0].state.values()}
+    assert adam_steps == {5.0}  # six steps, one skipped: no parameter was updated on it
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert saved["nonfinite_steps"] == 1
+    assert all(torch.isfinite(t).all() for t in saved["state_dict"].values())
+
+
+def test_nonfinite_gradient_skips_the_update(tmp_path, text_file):
+    lit = LitGPT(GPTConfig(n_layer=2, n_embd=16, block_size=16, vocab_size=64))
+    weight = lit.model.blocks[0].mlp.c_fc.weight
+    handle = weight.register_hook(lambda grad: grad * float("inf"))
+    trainer = tiny_trainer(tmp_path, 2)
+    trainer.fit(lit, tiny_data(text_file))
+    handle.remove()
+    assert lit.nonfinite_steps == 2
+    assert math.isinf(trainer.callback_metrics["grad_norm"])
+    assert all(torch.isfinite(p).all() for p in lit.parameters())
+    assert not trainer.optimizers[0].state  # AdamW never stepped a parameter
+
+
+def test_logs_losses_baselines_lr_and_grad_norm(tmp_path, text_file):
+    lit = LitGPT(GPTConfig(n_layer=2, n_embd=16, block_size=16, vocab_size=64), warmup_steps=10)
+    data = tiny_data(text_file)
+    trainer = tiny_trainer(tmp_path, 3)
+    trainer.fit(lit, data)
+    seen = trainer.callback_metrics
+    assert seen["train/bpc"] == pytest.approx(seen["train/loss"] / math.log(2))
+    assert seen["val/bpc"] == pytest.approx(seen["val/loss"] / math.log(2))
+    assert seen["baseline/unigram"] == pytest.approx(data.unigram_entropy)
+    assert seen["baseline/bigram"] == pytest.approx(data.bigram_entropy)
+    assert seen["lr"] == pytest.approx(learning_rate(2, 1e-3, 10))
+    assert seen["grad_norm"] > 0
+    assert seen["train/nonfinite_steps"] == 0
+
+
+def test_cli_fast_dev_run(tmp_path, text_file):
+    assert main(tiny_fit_args(tmp_path / "run", text_file, "--trainer.fast_dev_run", "2")) == 0
+
+
+def test_cli_sets_vocab_size_from_the_data_and_keeps_the_run_directory(tmp_path, text_file):
+    run_dir = tmp_path / "run"
+    args = tiny_fit_args(
+        run_dir, text_file, "--trainer.max_steps", "4", "--checkpoint.every_n_train_steps", "2"
+    )
+    assert main(args) == 0
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    vocab = saved["CharDataModule"]["vocab"]
+    assert vocab == "".join(sorted(set(Path(text_file).read_text())))
+    restored = LitGPT.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert restored.config.vocab_size == len(vocab) and restored.config.n_embd == 16
+    assert (run_dir / "config.yaml").exists() and list(run_dir.glob("events.out.tfevents.*"))
+
+
+def final_state(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+
+
+def test_resume_continues_at_the_right_step_with_the_same_weights(tmp_path, text_file):
+    every = ["--checkpoint.every_n_train_steps", "6"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(tiny_fit_args(straight, text_file, "--trainer.max_steps", "12", *every)) == 0
+    assert main(tiny_fit_args(resumed, text_file, "--trainer.max_steps", "6", *every)) == 0
+    assert final_state(resumed)["global_step"] == 6
+    # A new process would build a new logger: with the pinned version it finds the same last.ckpt.
+    assert (
+        main(tiny_fit_args(resumed, text_file, "--trainer.max_steps", "12", *every, "--ckpt_path", "last"))
+        == 0
+    )
+
+    a, b = final_state(straight), final_state(resumed)
+    assert a["global_step"] == b["global_step"] == 12
+    for name, tensor in a["state_dict"].items():
+        assert torch.equal(tensor, b["state_dict"][name]), name
+
+
+def run_main_expecting_error(args: list[str], capsys) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and "\n" not in err
+    return err
+
+
+def test_bad_data_gives_one_line_errors(tmp_path, text_file, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    args = tiny_fit_args(tmp_path / "run", text_file, "--trainer.max_steps", "1")
+    err = run_main_expecting_error([*args, "--data.paths", f"[{empty}]"], capsys)
+    assert err.startswith("blocklab fit: error:") and "empty.txt is empty" in err
+    err = run_main_expecting_error([*args, "--data.seq_len", "32"], capsys)
+    assert "seq_len 32 is longer than the model's block_size 16" in err
+
+
+def test_unknown_config_key_is_a_usage_error(tmp_path, text_file, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(tiny_fit_args(tmp_path / "run", text_file, "--model.config.n_layers", "3"))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "n_layers" in err
+
+
+@pytest.mark.slow
+def test_sigkill_mid_fit_then_resume_matches_an_uninterrupted_run(tmp_path, text_file):
+    """Issue 6: kill -9 in the middle of `blocklab fit`, then `--ckpt_path last`."""
+    steps, every = 300, 20
+
+    def command(run_dir: Path, *extra: str) -> list[str]:
+        args = tiny_fit_args(run_dir, text_file, "--trainer.max_steps", str(steps))
+        return [
+            sys.executable,
+            "-m",
+            "lab.cli",
+            *args,
+            "--checkpoint.every_n_train_steps",
+            str(every),
+            *extra,
+        ]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = tmp_path / "killed"
+    last = killed / "checkpoints" / "last.ckpt"
+    proc = subprocess.Popen(command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    interrupted_at = final_state(killed)["global_step"]
+    assert 0 < interrupted_at < steps
+
+    subprocess.run(command(killed, "--ckpt_path", "last"), env=env, check=True, capture_output=True)
+    straight = tmp_path / "straight"
+    subprocess.run(command(straight), env=env, check=True, capture_output=True)
+    a, b = final_state(straight), final_state(killed)
+    assert a["global_step"] == b["global_step"] == steps
+    for name, tensor in a["state_dict"].items():
+        assert torch.isfinite(tensor).all()
+        assert torch.equal(tensor, b["state_dict"][name]), name
