@@ -1,0 +1,198 @@
+"""blocklab depth: batch-1 decode latency of stacks that spend the same block parameters at different depths.
+
+    blocklab depth                          # 6x1088, 12x768, 24x544, 48x384, ratios to 12x768
+    blocklab depth --stacks 12x768 24x544 --new 64 --repeats 5
+
+A Block holds 12d^2 + 13d parameters, so L x d stacks with L·d^2 fixed hold (nearly) the same block
+parameters: 6 x 1088^2 = 24 x 544^2 = 7,102,464 and 12 x 768^2 = 48 x 384^2 = 7,077,888 (0.35% apart);
+the exact counts are printed. Heads: head size ``--head-size`` (64) where it divides d, else the head
+count whose head size is nearest to it (544: 8 heads of 68).
+
+Each stack is a GPT with GPT-2's vocabulary and random weights; ``lab.generate.generate``
+prefills a ``--prompt``-token prompt and decodes ``--new`` tokens greedily with the KV cache. Every
+decode step is timed, and a pre-hook on ``ln_f`` splits it into the Blocks (embedding lookup included)
+and the unembedding (ln_f plus the V x d product, which grows with d, not with depth). The stacks are
+run in turn within each repeat, so load hits them alike; the ratios to the baseline are what carry.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lab.analysis import common
+from lab.config import GPT2_VOCAB_SIZE, GPTConfig
+from lab.generate import generate
+from lab.model import GPT
+
+DEFAULT_STACKS = ["6x1088", "12x768", "24x544", "48x384"]
+
+
+def heads_for(d: int, head_size: int) -> int:
+    """``d // head_size`` where it divides, else the head count whose head size is nearest ``head_size``
+    (the larger head size on a tie)."""
+    if d % head_size == 0:
+        return d // head_size
+    divisors = [n for n in range(1, d + 1) if d % n == 0]
+    return min(divisors, key=lambda n: (abs(d // n - head_size), -(d // n)))
+
+
+def parse_stack(text: str) -> tuple[int, int]:
+    """``"12x768"`` -> (12, 768)."""
+    try:
+        n_layer, width = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"stack {text!r}: expected LAYERSxWIDTH, e.g. 12x768") from None
+    return n_layer, width
+
+
+@torch.inference_mode()
+def decode_times(model: GPT, prompt: list[int], new_tokens: int) -> tuple[list[float], list[float]]:
+    """Per decode step (the prefill excluded): seconds in the Blocks, seconds in the unembedding."""
+    marks: list[float] = []
+    hook = model.ln_f.register_forward_pre_hook(lambda _module, _inputs: marks.append(time.perf_counter()))
+    blocks, unembed = [], []
+    try:
+        start = time.perf_counter()
+        for n, _step in enumerate(generate(model, prompt, new_tokens)):
+            end = time.perf_counter()
+            if n > 0:  # the first token comes from the prefill
+                blocks.append(marks[-1] - start)
+                unembed.append(end - marks[-1])
+            start = time.perf_counter()
+    finally:
+        hook.remove()
+    return blocks, unembed
+
+
+def build(n_layer: int, d: int, n_head: int, vocab_size: int, context: int) -> GPT:
+    cfg = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=d, vocab_size=vocab_size, block_size=context)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return GPT(cfg).eval()
+
+
+def depth_report(
+    stacks: list[str], baseline: str, head_size: int, vocab_size: int, prompt_len: int, new: int, repeats: int
+) -> dict:
+    shapes = [parse_stack(s) for s in stacks]
+    models = {
+        s: build(L, d, heads_for(d, head_size), vocab_size, prompt_len + new)
+        for s, (L, d) in zip(stacks, shapes, strict=True)
+    }
+    prompt = torch.randint(0, vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    blocks = {s: [] for s in stacks}
+    unembed = {s: [] for s in stacks}
+    for _ in range(repeats):
+        for s, model in models.items():
+            b, u = decode_times(model, prompt, new)
+            blocks[s] += b
+            unembed[s] += u
+    rows = []
+    for s, model in models.items():
+        cfg = model.config
+        block_params = sum(p.numel() for p in model.blocks.parameters())
+        totals = [b + u for b, u in zip(blocks[s], unembed[s], strict=True)]
+        rows.append(
+            {
+                "stack": s,
+                "n_layer": cfg.n_layer,
+                "d": cfg.n_embd,
+                "n_head": cfg.n_head,
+                "head_size": cfg.head_dim,
+                "block_params": block_params,
+                "total_params": model.num_params(),
+                "ms_per_token": common.median_ms(totals),
+                "blocks_ms": common.median_ms(blocks[s]),
+                "unembed_ms": common.median_ms(unembed[s]),
+            }
+        )
+    base = next(r for r in rows if r["stack"] == baseline)
+    for r in rows:
+        r["ratio"] = r["ms_per_token"] / base["ms_per_token"]
+        r["blocks_ratio"] = r["blocks_ms"] / base["blocks_ms"]
+    return {
+        "baseline": baseline,
+        "prompt": prompt_len,
+        "new_tokens": new,
+        "repeats": repeats,
+        "samples_per_stack": len(blocks[baseline]),
+        "threads": torch.get_num_threads(),
+        "vocab_size": vocab_size,
+        "rows": rows,
+    }
+
+
+def render(report: dict) -> str:
+    columns = ["stack", "heads x size", "block params", "ms/token", "Blocks ms", "unembed ms",
+               f"/ {report['baseline']}", f"Blocks / {report['baseline']}"]  # fmt: skip
+    lines = [
+        [
+            r["stack"],
+            f"{r['n_head']} x {r['head_size']}",
+            r["block_params"],
+            r["ms_per_token"],
+            r["blocks_ms"],
+            r["unembed_ms"],
+            f"{r['ratio']:.2f}x",
+            f"{r['blocks_ratio']:.2f}x",
+        ]  # fmt: skip
+        for r in report["rows"]
+    ]
+    out = [
+        f"depth: batch-1 decode with a KV cache, prompt {report['prompt']} tokens, "
+        f"{report['new_tokens']} new; "
+        f"median over {report['samples_per_stack']} decode steps ({report['repeats']} repeats), "
+        f"{report['threads']} threads, V={report['vocab_size']}, random weights",
+        "",
+        common.table(columns, lines),
+        "",
+        "block params = L·(12d^2 + 13d), counted on the built model; Blocks ms includes the embedding "
+        "lookup, unembed ms is ln_f plus the V x d product",
+    ]
+    if report.get("png"):
+        out.append(f"wrote {report['png']}")
+    return "\n".join(out)
+
+
+def plot(report: dict, args) -> str | None:
+    plt = common.pyplot()
+    rows = report["rows"]
+    names = [r["stack"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(names, [r["blocks_ms"] for r in rows], label="Blocks")
+    ax.bar(names, [r["unembed_ms"] for r in rows], bottom=[r["blocks_ms"] for r in rows], label="unembedding")
+    for i, r in enumerate(rows):
+        ax.annotate(f"{r['ratio']:.2f}x", (i, r["blocks_ms"] + r["unembed_ms"]), ha="center", va="bottom")
+    ax.set_xlabel("L x d (same block parameters)")
+    ax.set_ylabel("ms per decoded token (median)")
+    ax.set_title(f"batch-1 decode, ratios to {report['baseline']}")
+    ax.legend(fontsize=8)
+    return common.save_figure(fig, args)
+
+
+def main(argv: list[str]) -> int:
+    p = common.parser(argv[0], "Batch-1 decode latency of equal-parameter stacks of different depth.")
+    p.add_argument("--stacks", nargs="+", default=DEFAULT_STACKS, help="LxD stacks (default: %(default)s)")
+    p.add_argument("--baseline", default="12x768", help="stack the ratios are to (default: %(default)s)")
+    p.add_argument("--head-size", type=int, default=64, help="preferred head size (default: %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE, help="vocabulary (default: GPT-2's)")
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--new", type=int, default=32, help="decoded tokens per run (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="decode runs per stack (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    common.add_output_args(p, plot="depth.png")
+    args = p.parse_args(argv[1:])
+    if args.baseline not in args.stacks:
+        raise SystemExit(f"--baseline {args.baseline} is not among --stacks {args.stacks}")
+    if args.new < 2:
+        raise SystemExit("--new: need at least 2 tokens (the first comes from the prefill)")
+
+    torch.set_num_threads(args.threads)
+    report = depth_report(
+        args.stacks, args.baseline, args.head_size, args.vocab_size, args.prompt, args.new, args.repeats
+    )
+    report["png"] = plot(report, args)
+    common.emit(args, report, render(report))
+    return 0

@@ -1,0 +1,81 @@
+"""shapes, timing, depth: structure only (never timings), plus the shared model resolution."""
+
+import json
+
+from lab.analysis import common, depth, shapes, timing
+from lab.config import GPTConfig
+from lab.model import GPT
+
+TINY_ARGS = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--block-size", "32"]
+
+
+def test_shapes_json(capsys):
+    assert shapes.main(["shapes", *TINY_ARGS, "--T", "12", "--batch", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    got = {r["hook"]: (r["shape"], r["mixes_positions"]) for r in report["rows"]}
+    B, T, D, H = 2, 12, 16, 2
+    assert got == {
+        "resid_pre": ([B, T, D], False),
+        "attn.qkv": ([B, T, 3 * D], False),
+        "attn.scores": ([B, H, T, T], True),
+        "attn_out": ([B, T, D], True),
+        "mlp.hidden": ([B, T, 4 * D], False),
+        "mlp_out": ([B, T, D], False),
+    }
+    d = D
+    params = {r["hook"]: r["params"] for r in report["rows"]}
+    assert params["attn.qkv"] == 2 * d + 3 * d * d + 3 * d  # ln_1 + c_attn
+    assert sum(params.values()) == report["block_params"] == 12 * d * d + 13 * d
+    assert sum(r["flops_per_token"] for r in report["rows"]) == 24 * d * d + 4 * T * d
+
+
+def test_timing_json_structure(capsys):
+    assert timing.main(["timing", *TINY_ARGS, "--T", "8", "16", "--repeats", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(r["T"], r["attention"]) for r in report["rows"]] == [
+        (8, "eager"), (8, "sdpa"), (16, "eager"), (16, "sdpa")
+    ]  # fmt: skip
+    for r in report["rows"]:
+        assert r["share"] == r["attention_ms"] / r["block_ms"]
+
+
+def test_depth_heads_and_structure(capsys, tmp_path):
+    assert [depth.heads_for(d, 64) for d in (1088, 768, 544, 384)] == [17, 12, 8, 6]
+    argv = [
+        "depth",
+        "--stacks",
+        "1x32",
+        "4x16",
+        "--baseline",
+        "1x32",
+        "--head-size",
+        "8",
+        "--vocab-size",
+        "64",
+    ]
+    argv += ["--prompt", "4", "--new", "3", "--repeats", "1", "--json", "--out", str(tmp_path / "d.png")]
+    assert depth.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    base, deep = report["rows"]
+    assert base["ratio"] == 1.0 and base["blocks_ratio"] == 1.0
+    assert (base["n_head"], deep["n_head"]) == (4, 2)
+    assert base["block_params"] == 1 * (12 * 32**2 + 13 * 32)
+    assert deep["block_params"] == 4 * (12 * 16**2 + 13 * 16)
+    assert report["samples_per_stack"] == 2  # 3 new tokens: the first comes from the prefill
+    assert (tmp_path / "d.png").exists()
+
+
+def test_default_model_is_builtin_once_created(tmp_path, monkeypatch):
+    from lab.weights import save_model
+
+    monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path))
+    assert common.default_model_spec() == "gpt2-random"
+    save_model(GPT(GPTConfig()), tmp_path / "builtin")
+    assert common.default_model_spec() == "builtin"
+
+
+def test_table_is_markdown():
+    lines = common.table(["name", "n"], [["a", 1234], ["bb", 0.5]]).splitlines()
+    assert lines[0] == "| name |     n |"
+    assert lines[1] == "|------|------:|"
+    assert lines[2] == "| a    | 1,234 |"
