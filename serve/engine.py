@@ -1,0 +1,355 @@
+"""The server's inference: requests that share a block set share forward passes.
+
+A batch of requests is split into groups that can run as one tensor:
+
+- scoring (``max_new_tokens`` 0) under one fixed block set: one right-padded forward pass. This is
+  exact under causal attention: position t only reads positions <= t, so the padding after a short
+  sequence never reaches its losses, which are taken over its own positions only.
+- generation under one fixed block set with prompts of one length: one prefill and one KV cache for
+  all rows, then one token per row per step. Rows at different positions would need a position and
+  a mask per row, which ``GPT.forward`` does not take; they form separate groups.
+- adaptive exit decides per token and per position, so each such request runs alone, through
+  ``lab.generate``.
+
+Groups advance in lockstep, one step each per ``Engine.run`` tick, so a long generation does not hold
+back another group's first token. Nothing here knows about HTTP or LitServe: ``run`` yields, per tick,
+the events (plain dicts, see ``serve.schema``) of the jobs that have something to say.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lab import generate as lab_generate
+from lab import tokens
+from lab.blocks import BlockSet
+from lab.model import GPT, KVCache
+
+
+@dataclass
+class Job:
+    """One request, resolved for the served model."""
+
+    request_id: str | None
+    prompt_tokens: list[int]
+    block_set: BlockSet
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    seed: int
+    score: bool
+    stream: bool
+    submitted_at: float
+    """``time.monotonic()`` when the request was queued."""
+    cancelled: Callable[[], bool] = lambda: False
+    """True once the client is gone: the job stops without another event."""
+
+
+def pick_token(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator
+) -> int:
+    """Greedy at temperature 0, else a sample from the (top-k) softmax; logits [V].
+
+    The same arithmetic as ``lab.generate``'s sampler, so a seed gives the same tokens either way.
+    """
+    if temperature == 0.0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator))
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+class _Progress:
+    """One job's output so far, and the events that report it."""
+
+    def __init__(self, job: Job, batch_size: int, started_at: float):
+        self.job = job
+        self.batch_size = batch_size
+        self.started_at = started_at
+        self.prefill_s = 0.0
+        self.new_tokens: list[int] = []
+        self.blocks_per_token: list[int] = []
+        self.token_times: list[float] = []
+        self.score: dict | None = None
+        self.text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def token(self, token: int, blocks: int) -> dict | None:
+        """Record a new token; its event when the job streams."""
+        self.token_times.append(time.monotonic())
+        self.new_tokens.append(token)
+        self.blocks_per_token.append(blocks)
+        piece = self.text.decode(tokens.decode_token_bytes(token))
+        if not self.job.stream:
+            return None
+        index = len(self.new_tokens) - 1
+        return {"event": "token", "index": index, "token": token, "text": piece, "blocks": blocks}
+
+    def scored(self, losses: torch.Tensor) -> None:
+        self.score = {"mean_loss": float(losses.mean()), "token_losses": losses.tolist()}
+
+    def done(self, finish_reason: str, blocks_run: list[int] | None) -> dict:
+        now, job = time.monotonic(), self.job
+        times, per_token = self.token_times, self.blocks_per_token
+        mean_blocks = sum(per_token) / len(per_token) if per_token else float(len(blocks_run or ()))
+        response = {
+            "id": job.request_id,
+            "text": tokens.decode(self.new_tokens),
+            "tokens": self.new_tokens,
+            "prompt_tokens": len(job.prompt_tokens),
+            "finish_reason": finish_reason,
+            "seed": job.seed,
+            "block_set": str(job.block_set),
+            "blocks_run": blocks_run,
+            "blocks_per_token": per_token,
+            "mean_blocks_per_token": mean_blocks,
+            "score": self.score,
+            "timings": {
+                "queue_ms": _ms(self.started_at - job.submitted_at),
+                "prefill_ms": _ms(self.prefill_s),
+                "first_token_ms": _ms(times[0] - job.submitted_at) if times else None,
+                "per_token_ms": _ms((times[-1] - times[0]) / (len(times) - 1)) if len(times) > 1 else None,
+                "total_ms": _ms(now - job.submitted_at),
+            },
+            "batch_size": self.batch_size,
+        }
+        return {"event": "done", "response": response}
+
+
+def error_event(status: int, message: str) -> dict:
+    return {"event": "error", "status": status, "message": message}
+
+
+class _Group(ABC):
+    """Jobs that advance together. ``step`` returns (position in the batch, event) pairs."""
+
+    def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float):
+        self.model = model
+        self.members = members
+        self.progress = {position: _Progress(job, len(members), started_at) for position, job in members}
+
+    @property
+    def finished(self) -> bool:
+        return not self.members
+
+    @abstractmethod
+    def step(self) -> list[tuple[int, dict]]:
+        """Advance every job one token (or finish them); their events."""
+
+    def fail(self, error: Exception) -> list[tuple[int, dict]]:
+        """Every job still running gets the error; the group is over."""
+        message = f"{type(error).__name__}: {error}"
+        events = [(position, error_event(500, message)) for position, _ in self.members]
+        self.members = []
+        return events
+
+    def _drop_cancelled(self) -> None:
+        self.members = [(position, job) for position, job in self.members if not job.cancelled()]
+
+
+class _Scoring(_Group):
+    """Score-only jobs under one fixed block set: one right-padded forward pass."""
+
+    def step(self) -> list[tuple[int, dict]]:
+        self._drop_cancelled()
+        if not self.members:
+            return []
+        block_set = self.members[0][1].block_set
+        lengths = [len(job.prompt_tokens) for _, job in self.members]
+        width = max(lengths)
+        padded = [
+            job.prompt_tokens + [tokens.EOT] * (width - len(job.prompt_tokens)) for _, job in self.members
+        ]
+        idx = torch.tensor(padded, device=self.model.wte.weight.device)  # [B, T]
+        start = time.monotonic()
+        logits = self.model(idx[:, :-1], block_set=block_set).float()  # [B, T-1, V]
+        losses = F.cross_entropy(logits.transpose(1, 2), idx[:, 1:], reduction="none")  # [B, T-1]
+        prefill_s = time.monotonic() - start
+        blocks_run = block_set.blocks_to_run(self.model.config.n_layer)
+        events = []
+        for row, ((position, _), length) in enumerate(zip(self.members, lengths, strict=True)):
+            progress = self.progress[position]
+            progress.prefill_s = prefill_s
+            progress.scored(losses[row, : length - 1])
+            events.append((position, progress.done("scored", blocks_run)))
+        self.members = []
+        return events
+
+
+class _Generation(_Group):
+    """Generating jobs under one fixed block set with prompts of one length: one prefill, one cache."""
+
+    def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float):
+        super().__init__(model, members, started_at)
+        device = model.wte.weight.device
+        self.block_set = members[0][1].block_set
+        self.blocks_run = self.block_set.blocks_to_run(model.config.n_layer)
+        self.generators = {}
+        for position, job in members:
+            self.generators[position] = torch.Generator(device=device).manual_seed(job.seed)
+        self.cache: KVCache | None = None
+        self.last_tokens: dict[int, int] = {}
+
+    def step(self) -> list[tuple[int, dict]]:
+        alive = [position for position, _ in self.members]
+        self._drop_cancelled()
+        if not self.members:
+            return []
+        if self.cache is None:
+            logits = self._prefill()  # [B, V]
+        else:
+            if len(self.members) < len(alive):
+                self._keep_rows([alive.index(position) for position, _ in self.members])
+            last = [[self.last_tokens[position]] for position, _ in self.members]
+            idx = torch.tensor(last, device=self.model.wte.weight.device)  # [B, 1]
+            logits = self.model(idx, cache=self.cache, block_set=self.block_set)[:, -1].float()  # [B, V]
+
+        events, still_running = [], []
+        for row, (position, job) in enumerate(self.members):
+            progress = self.progress[position]
+            token = pick_token(logits[row], job.temperature, job.top_k, self.generators[position])
+            if token == tokens.EOT:
+                events.append((position, progress.done("stop", self.blocks_run)))
+                continue
+            event = progress.token(token, len(self.blocks_run))
+            if event is not None:
+                events.append((position, event))
+            if len(progress.new_tokens) == job.max_new_tokens:
+                events.append((position, progress.done("length", self.blocks_run)))
+                continue
+            self.last_tokens[position] = token
+            still_running.append((position, job))
+        if still_running and len(still_running) < len(self.members):
+            running = {position for position, _ in still_running}
+            self._keep_rows([row for row, (position, _) in enumerate(self.members) if position in running])
+        self.members = still_running
+        return events
+
+    def _prefill(self) -> torch.Tensor:
+        """One pass over every row's prompt; fills the cache. The logits [B, V] after each prompt."""
+        cfg = self.model.config
+        prompts = [job.prompt_tokens for _, job in self.members]
+        weight = self.model.wte.weight
+        max_len = len(prompts[0]) + max(job.max_new_tokens for _, job in self.members)
+        start = time.monotonic()
+        self.cache = KVCache(
+            cfg, batch_size=len(prompts), max_len=max_len, device=weight.device, dtype=weight.dtype
+        )
+        idx = torch.tensor(prompts, device=weight.device)  # [B, T]
+        logits = self.model(idx, cache=self.cache, block_set=self.block_set)  # [B, T, V]
+        scoring = [row for row, (_, job) in enumerate(self.members) if job.score]
+        if scoring:
+            rows = torch.tensor(scoring, device=weight.device)
+            scored = logits[rows, :-1].float()  # [S, T-1, V]
+            losses = F.cross_entropy(scored.transpose(1, 2), idx[rows, 1:], reduction="none")  # [S, T-1]
+            for loss_row, row in enumerate(scoring):
+                self.progress[self.members[row][0]].scored(losses[loss_row])
+        next_logits = logits[:, -1].float()  # [B, V]
+        prefill_s = time.monotonic() - start
+        for position, _ in self.members:
+            self.progress[position].prefill_s = prefill_s
+        return next_logits
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        """Drop finished rows from the cache so later steps do not compute them."""
+        keep = torch.tensor(rows, device=self.cache.k.device)
+        self.cache.k = self.cache.k[:, keep]  # [L, B', H, T_max, Dh]
+        self.cache.v = self.cache.v[:, keep]  # [L, B', H, T_max, Dh]
+
+
+class _Adaptive(_Group):
+    """One job under adaptive exit, through ``lab.generate`` (depth is decided per token)."""
+
+    def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float):
+        super().__init__(model, members, started_at)
+        ((self.position, self.job),) = members
+        self.steps: Iterator[lab_generate.Step] | None = None
+
+    def step(self) -> list[tuple[int, dict]]:
+        self._drop_cancelled()
+        if not self.members:
+            return []
+        job, progress = self.job, self.progress[self.position]
+        if self.steps is None:
+            start = time.monotonic()
+            if job.score or job.max_new_tokens == 0:
+                scored = lab_generate.score(self.model, job.prompt_tokens, job.block_set)
+                progress.scored(torch.tensor(scored.token_losses))
+                if job.max_new_tokens == 0:
+                    progress.blocks_per_token = [len(blocks) for blocks in scored.blocks_per_token]
+                    progress.prefill_s = time.monotonic() - start
+                    self.members = []
+                    return [(self.position, progress.done("scored", None))]
+            self.steps = lab_generate.generate(
+                self.model,
+                job.prompt_tokens,
+                job.max_new_tokens,
+                temperature=job.temperature,
+                top_k=job.top_k,
+                seed=job.seed,
+                stop_token=tokens.EOT,
+                block_set=job.block_set,
+            )
+            progress.prefill_s = time.monotonic() - start  # the first next() below adds the prefill
+        step = next(self.steps)
+        if step.token == tokens.EOT:
+            self.members = []
+            return [(self.position, progress.done("stop", None))]
+        events = []
+        event = progress.token(step.token, len(step.blocks_run))
+        if event is not None:
+            events.append((self.position, event))
+        if len(progress.new_tokens) == job.max_new_tokens:
+            events.append((self.position, progress.done("length", None)))
+            self.members = []
+        return events
+
+
+class Engine:
+    """Runs batches of jobs on one model; see the module docstring for how they share passes."""
+
+    def __init__(self, model: GPT):
+        self.model = model
+
+    def groups(self, jobs: list[tuple[int, Job]], started_at: float) -> list[_Group]:
+        """Split (position, job) pairs into groups that can share forward passes."""
+        by_key: dict[tuple, list[tuple[int, Job]]] = {}
+        adaptive = []
+        for position, job in jobs:
+            if job.block_set.is_adaptive:
+                adaptive.append(_Adaptive(self.model, [(position, job)], started_at))
+            elif job.max_new_tokens == 0:
+                by_key.setdefault((_Scoring, job.block_set), []).append((position, job))
+            else:
+                by_key.setdefault((_Generation, job.block_set, len(job.prompt_tokens)), []).append(
+                    (position, job)
+                )
+        return [key[0](self.model, members, started_at) for key, members in by_key.items()] + adaptive
+
+    @torch.inference_mode()
+    def run(self, jobs: list[tuple[int, Job]]) -> Iterator[list[tuple[int, dict]]]:
+        """Per tick, the (position, event) pairs of every job with news; each job ends with one
+        ``done`` or ``error`` event (or silently, once cancelled)."""
+        groups = self.groups(jobs, time.monotonic())
+        while groups:
+            events = []
+            for group in groups:
+                try:
+                    events += group.step()
+                except Exception as error:  # one group's failure must not end the others
+                    events += group.fail(error)
+            groups = [group for group in groups if not group.finished]
+            if events:
+                yield events

@@ -1,0 +1,214 @@
+"""The HTTP side of a request: admission, submission to LitServe's queue, and reading its events.
+
+Every model route (``/predict`` and the OpenAI-compatible ones) goes through ``Gateway.admit`` and a
+``Submission``, which cover what LitServe 0.2.19 leaves open (measured, see the serving docs):
+
+- requests are checked against the served model before they are queued (422 naming the field);
+- at most ``max_in_flight`` requests are admitted; the next gets 429 with ``Retry-After``;
+- a request not taken by a worker within ``queue_timeout`` gets 504 (even if the worker that
+  dequeued it died without a word), and a request whose worker died gets 503;
+- an error reaches the client with its status before a stream starts, and as an explicit error
+  event after (LitServe would answer 200 and cut the stream);
+- a client that goes away cancels its job: the worker stops generating for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import pickle
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+
+from fastapi import HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from litserve.utils import LitAPIStatus, ResponseBufferItem
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve.api import BlockLabAPI
+from serve.engine import error_event
+from serve.schema import Admission, PredictRequest, RequestError, resolve
+
+DISCONNECT_POLL_S = 0.5
+"""How often a waiting non-streaming request checks whether its client is still there."""
+CLIENT_GONE = 499
+"""The status (nginx's convention) of a request whose client disconnected; nobody reads it."""
+
+
+def _from_worker(data, status: str) -> dict | None:
+    """A message from LitServe's response queue as one of our events (None: nothing to report)."""
+    if status == LitAPIStatus.OK:
+        return data
+    if status == LitAPIStatus.ERROR:
+        if data is None:  # LitServe's monitor: the worker holding this request died
+            return error_event(503, "the worker running this request died; it is being replaced, retry")
+        error = pickle.loads(data) if isinstance(data, bytes) else data
+        if isinstance(error, HTTPException):
+            return error_event(error.status_code, str(error.detail))
+        return error_event(500, f"{type(error).__name__}: {error}")
+    if status == LitAPIStatus.FINISH_STREAMING:
+        return error_event(500, "the worker ended the response without a summary")
+    return None  # START: only tells LitServe which worker holds the request
+
+
+def error_response(path: str, status: int, detail, headers: dict[str, str] | None = None) -> JSONResponse:
+    """FastAPI's ``{"detail": ...}``, or under ``/v1/`` OpenAI's ``{"error": {"message": ...}}``, the
+    shape its clients read the message from."""
+    if not path.startswith("/v1/"):
+        return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+    if not isinstance(detail, str):  # a validation error list
+        detail = "; ".join(
+            f"{'.'.join(map(str, error['loc'][1:])) or 'body'}: {error['msg']}" for error in detail
+        )
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": detail, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 without echoing the input back: a NaN or a lone surrogate there made FastAPI's own
+    handler fail with 500, and a large bad body should not come back whole."""
+    detail = [{"type": e["type"], "loc": list(e["loc"]), "msg": e["msg"]} for e in error.errors()]
+    return error_response(request.url.path, 422, detail)
+
+
+async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    return error_response(request.url.path, error.status_code, error.detail, error.headers)
+
+
+class Gateway:
+    """Admits requests for the one LitAPI and hands out their ``Submission``s."""
+
+    def __init__(
+        self, server, api: BlockLabAPI, *, max_in_flight: int, queue_timeout: float, retry_after_s: int = 1
+    ):
+        self.server = server
+        self.api = api
+        self.max_in_flight = max_in_flight
+        self.queue_timeout = queue_timeout
+        self.retry_after_s = retry_after_s
+        # least recently freed first, so a cancelled job's slot is reused as late as possible
+        self.free_slots = deque(range(max_in_flight))
+        self.tickets = itertools.count(1)
+
+    @property
+    def in_flight(self) -> int:
+        return self.max_in_flight - len(self.free_slots)
+
+    def admit(self, request: PredictRequest) -> Submission:
+        """Check, admit and queue ``request``; HTTPException 422, 429 or 503 when it cannot be."""
+        limits = self.api.shared.limits()
+        if limits is None:
+            raise HTTPException(503, "the model is still loading", headers=self._retry_after())
+        try:
+            resolve(request, limits)
+        except RequestError as error:
+            raise HTTPException(422, error.detail()) from None
+        if not self.free_slots:
+            raise HTTPException(
+                429,
+                f"{self.max_in_flight} requests in flight, the most this server takes",
+                self._retry_after(),
+            )
+        slot = self.free_slots.popleft()
+        now = time.monotonic()
+        request.admit(Admission(ticket=next(self.tickets), slot=slot, submitted_at=now))
+        uid = str(uuid.uuid4())
+        item = ResponseBufferItem(event=asyncio.Event(), response_queue=deque())
+        self.server.response_buffer[uid] = item
+        queue = self.server._get_request_queue(self.api.api_path)
+        queue.put((self.server.app.response_queue_id, uid, now, request))
+        return Submission(self, uid, item, request.admission)
+
+    def _retry_after(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+    def error_response(self, event: dict, path: str) -> JSONResponse:
+        headers = self._retry_after() if event["status"] in (429, 503) else None
+        return error_response(path, event["status"], event["message"], headers)
+
+
+class Submission:
+    """One admitted request: its events as they come, and its slot until ``close``."""
+
+    def __init__(self, gateway: Gateway, uid: str, item: ResponseBufferItem, admission: Admission):
+        self.gateway = gateway
+        self.uid = uid
+        self.item = item
+        self.admission = admission
+        self.finished = False
+        self.closed = False
+
+    async def next_event(self, client: Request | None = None) -> dict:
+        """The next event; a ``done`` or ``error`` event is the last. With ``client``, a client that
+        disconnects while this waits ends it with a 499 error event (``close`` then cancels the job)."""
+        while True:
+            while self.item.response_queue:
+                event = _from_worker(*self.item.response_queue.popleft())
+                if event is not None:
+                    self.finished = event["event"] in ("done", "error")
+                    return event
+            self.item.event.clear()
+            waited = time.monotonic() - self.admission.submitted_at
+            queued = self.item.worker_id is None
+            if queued and waited > self.gateway.queue_timeout:  # not finished: close() cancels it
+                return error_event(
+                    504, f"queue timeout: no worker took the request within {self.gateway.queue_timeout:g} s"
+                )
+            limit = self.gateway.queue_timeout - waited + 0.01 if queued else None
+            if client is not None:
+                limit = DISCONNECT_POLL_S if limit is None else min(limit, DISCONNECT_POLL_S)
+            try:
+                await asyncio.wait_for(self.item.event.wait(), limit)
+            except asyncio.TimeoutError:
+                if client is not None and await client.is_disconnected():
+                    return error_event(CLIENT_GONE, "client disconnected")
+
+    async def final_event(self, client: Request | None = None) -> dict:
+        """Wait through any token events for the ``done`` or ``error`` event."""
+        event = await self.next_event(client)
+        while event["event"] not in ("done", "error"):
+            event = await self.next_event(client)
+        return event
+
+    def close(self) -> None:
+        """Free the slot; a job not finished yet is cancelled (its worker stops it at the next step)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.gateway.server.response_buffer.pop(self.uid, None)
+        if not self.finished:
+            self.gateway.api.shared.cancelled[self.admission.slot] = self.admission.ticket
+        self.gateway.free_slots.append(self.admission.slot)
+
+
+async def predict(gateway: Gateway, request: PredictRequest, client: Request) -> Response:
+    """``POST /predict``: the summary as JSON, or NDJSON events ending with it when ``stream``."""
+    submission = gateway.admit(request)
+    try:
+        first = await (submission.next_event(client) if request.stream else submission.final_event(client))
+    except BaseException:  # cancelled by the server's shutdown, say: the job must not run on
+        submission.close()
+        raise
+    if first["event"] == "error" or not request.stream:
+        submission.close()
+        if first["event"] == "error":
+            return gateway.error_response(first, client.url.path)
+        return JSONResponse(first["response"])
+    return StreamingResponse(_ndjson(first, submission), media_type="application/x-ndjson")
+
+
+async def _ndjson(first: dict, submission: Submission) -> AsyncIterator[str]:
+    try:
+        event = first
+        while True:
+            yield json.dumps(event) + "\n"
+            if event["event"] in ("done", "error"):
+                return
+            event = await submission.next_event()
+    finally:
+        submission.close()

@@ -1,0 +1,242 @@
+"""What goes over the wire: the request and response of ``/predict`` as pydantic models.
+
+FastAPI validates every body against ``PredictRequest`` before any worker sees it (422 naming the
+field, and the OpenAPI schema at ``/openapi.json``): types are strict (``"5"`` is not an integer),
+unknown fields are refused, and every number has a bound. What only the served model can decide
+(block indices against its depth, prompt plus new tokens against its context length) is checked by
+``resolve``, which raises ``RequestError`` naming the field; the server answers that with 422 too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from lab import tokens
+from lab.blocks import BlockSet
+
+MAX_PROMPT_CHARS = 200_000
+MAX_NEW_TOKENS = 8192
+MAX_BLOCK_INDICES = 1024
+BLOCK_FIELDS = ("skip", "keep", "overwrite", "exit_at", "adaptive", "adaptive_min_blocks")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The server's stamp on an admitted request: when, and where to look for its cancellation."""
+
+    ticket: int
+    """Unique per request in this server's life."""
+    slot: int
+    """Its place among the requests in flight; the worker reads ``cancelled[slot] == ticket``."""
+    submitted_at: float
+    """``time.monotonic()`` when it entered the queue (the same clock in every process on Linux)."""
+
+
+class PredictRequest(BaseModel):
+    """One request to ``POST /predict``. The block set is either ``blocks`` (a spec string, see
+    ``lab.blocks``) or the structured fields (``skip`` or ``keep``, ``overwrite``, ``exit_at``,
+    ``adaptive`` with ``adaptive_min_blocks``), never both. Nothing given: all blocks."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str | None = Field(None, max_length=256, description="Client's id, echoed back in the response.")
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    max_new_tokens: int = Field(16, ge=0, le=MAX_NEW_TOKENS, description="0: score the prompt only.")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False, description="0: greedy.")
+    top_k: int | None = Field(None, ge=1, le=tokens.VOCAB_SIZE)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Sampling seed; drawn when absent.")
+    stream: bool = Field(False, description="NDJSON events: one per token, then the summary.")
+    score: bool = Field(False, description="Also return the loss of the prompt under the block set.")
+    blocks: str | None = Field(None, max_length=4096, examples=["skip=3,4", "exit=6", "adaptive=0.9;min=4"])
+    skip: list[int] | None = Field(None, max_length=MAX_BLOCK_INDICES)
+    keep: list[int] | None = Field(None, max_length=MAX_BLOCK_INDICES)
+    overwrite: list[int] | None = Field(None, max_length=MAX_BLOCK_INDICES)
+    exit_at: int | None = Field(None, ge=1, description="Run blocks 0..exit_at-1, then read out.")
+    adaptive: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description="Exit threshold.")
+    adaptive_min_blocks: int | None = Field(None, ge=1)
+
+    # Stamped by the server on admission; travels with the request to the worker, never from clients.
+    _admission: Admission | None = PrivateAttr(None)
+
+    @field_validator("prompt")
+    @classmethod
+    def _encodable(cls, prompt: str) -> str:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"not valid Unicode text at character {error.start} (a lone surrogate?)"
+            ) from None
+        return prompt
+
+    @model_validator(mode="after")
+    def _one_way_to_name_blocks(self) -> PredictRequest:
+        given = [name for name in BLOCK_FIELDS if getattr(self, name) is not None]
+        if self.blocks is not None and given:
+            raise ValueError(f"blocks: give a spec string or the fields {given}, not both")
+        if self.skip is not None and self.keep is not None:
+            raise ValueError("keep: give skip or keep, not both")
+        if self.adaptive is not None and self.exit_at is not None:
+            raise ValueError("exit_at: cannot be combined with adaptive exit")
+        if self.adaptive_min_blocks is not None and self.adaptive is None:
+            raise ValueError("adaptive_min_blocks: only meaningful with adaptive")
+        return self
+
+    def admit(self, admission: Admission) -> None:
+        self._admission = admission
+
+    @property
+    def admission(self) -> Admission | None:
+        return self._admission
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against besides its own bounds."""
+
+    n_layer: int
+    block_size: int
+
+
+class RequestError(ValueError):
+    """A request that does not fit the served model; ``field`` names the culprit."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+    def detail(self) -> list[dict]:
+        """FastAPI's validation-error shape, so every 422 reads the same."""
+        return [{"type": "value_error", "loc": ["body", self.field], "msg": self.message}]
+
+
+# BlockSet's messages start with its own field names; say them as the request does.
+_BLOCKSET_TO_REQUEST_FIELD = {
+    "skip": "skip",
+    "keep": "keep",
+    "overwrite": "overwrite",
+    "exit_at": "exit_at",
+    "adaptive_threshold": "adaptive",
+    "adaptive_min_blocks": "adaptive_min_blocks",
+}
+
+
+def _duplicates(name: str, indices: list[int] | None) -> None:
+    if indices is not None and len(set(indices)) != len(indices):
+        raise RequestError(name, f"duplicated block index in {indices}")
+
+
+def resolve_block_set(request: PredictRequest, n_layer: int) -> BlockSet:
+    """The request's block set, validated against ``n_layer`` blocks; RequestError names the field."""
+    try:
+        if request.blocks is not None:
+            try:
+                return BlockSet.parse(request.blocks, n_layer)
+            except ValueError as error:
+                raise RequestError("blocks", str(error)) from None
+        for name in ("skip", "keep", "overwrite"):
+            _duplicates(name, getattr(request, name))
+        options = {
+            "overwrite": frozenset(request.overwrite or ()),
+            "exit_at": request.exit_at,
+            "adaptive_threshold": request.adaptive,
+            "adaptive_min_blocks": request.adaptive_min_blocks or 1,
+        }
+        if request.keep is not None:
+            return BlockSet.keep(request.keep, n_layer, **options).validate(n_layer)
+        return BlockSet(skip=frozenset(request.skip or ()), **options).validate(n_layer)
+    except RequestError:
+        raise
+    except ValueError as error:
+        name, _, message = str(error).partition(": ")
+        raise RequestError(_BLOCKSET_TO_REQUEST_FIELD.get(name, "blocks"), message or str(error)) from None
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A request made concrete for the served model."""
+
+    prompt_tokens: list[int]
+    block_set: BlockSet
+
+
+def resolve(request: PredictRequest, limits: ModelLimits) -> Resolved:
+    """Tokenise the prompt and check the request against the model; RequestError names the field."""
+    block_set = resolve_block_set(request, limits.n_layer)
+    prompt_tokens = tokens.encode(request.prompt, allow_endoftext=True)
+    if len(prompt_tokens) > limits.block_size:
+        raise RequestError(
+            "prompt", f"{len(prompt_tokens)} tokens exceed the context length {limits.block_size}"
+        )
+    if len(prompt_tokens) + request.max_new_tokens > limits.block_size:
+        raise RequestError(
+            "max_new_tokens",
+            f"{len(prompt_tokens)} prompt tokens + {request.max_new_tokens} new tokens exceed the "
+            f"context length {limits.block_size}",
+        )
+    if (request.score or request.max_new_tokens == 0) and len(prompt_tokens) < 2:
+        raise RequestError("prompt", "scoring needs at least 2 tokens (the loss of each after the first)")
+    return Resolved(prompt_tokens=prompt_tokens, block_set=block_set)
+
+
+# --------------------------------------------------------------------------------------------------
+# Responses
+
+
+class Timings(BaseModel):
+    """Server-side, in milliseconds, measured in the worker from the moment the request was queued."""
+
+    queue_ms: float = Field(description="Queued until its batch started.")
+    prefill_ms: float = Field(description="The forward pass over the prompt (shared by its group).")
+    first_token_ms: float | None = Field(description="Queued until the first new token.")
+    per_token_ms: float | None = Field(description="Mean time between new tokens after the first.")
+    total_ms: float = Field(description="Queued until the response was complete.")
+
+
+class PromptScore(BaseModel):
+    mean_loss: float = Field(description="Mean next-token loss (nats) over the prompt.")
+    token_losses: list[float] = Field(description="Loss of prompt tokens 1..n-1 given the ones before.")
+
+
+FinishReason = Literal["length", "stop", "scored"]
+
+
+class PredictResponse(BaseModel):
+    id: str | None
+    text: str
+    tokens: list[int] = Field(description="The new token ids (the end-of-text token is not included).")
+    prompt_tokens: int
+    finish_reason: FinishReason = Field(
+        description="length: max_new_tokens reached; stop: end-of-text sampled; scored: nothing generated."
+    )
+    seed: int
+    block_set: str = Field(description="The block set as run, as a spec string.")
+    blocks_run: list[int] | None = Field(description="Block indices every token ran (None for adaptive).")
+    blocks_per_token: list[int] = Field(description="Blocks each new token ran (adaptive exit varies).")
+    mean_blocks_per_token: float
+    score: PromptScore | None
+    timings: Timings
+    batch_size: int = Field(description="Requests that shared this one's forward passes.")
+
+
+class TokenEvent(BaseModel):
+    event: Literal["token"] = "token"
+    index: int
+    token: int
+    text: str = Field(description="Text completed by this token; may be empty mid-character.")
+    blocks: int = Field(description="Blocks this token ran.")
+
+
+class DoneEvent(BaseModel):
+    event: Literal["done"] = "done"
+    response: PredictResponse
+
+
+class ErrorEvent(BaseModel):
+    event: Literal["error"] = "error"
+    status: int
+    message: str

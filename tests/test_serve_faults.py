@@ -1,0 +1,123 @@
+"""Faults a real server must survive: overload, a stuck queue, a dead worker, SIGTERM under load."""
+
+import json
+import os
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from lab import tokens
+from lab.config import GPTConfig
+from lab.model import GPT
+from lab.weights import save_model
+from serve.testing import ServerProcess, TinyModel, descendants, is_alive
+
+pytestmark = pytest.mark.slow
+
+SLOW_WORD = " sleepy"  # one token; a forward pass over it sleeps (TinyModel.slow_token)
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+def slow_server(slow_s: float, *args: str) -> ServerProcess:
+    model = TinyModel(slow_token=tokens.encode(SLOW_WORD)[0], slow_s=slow_s)
+    return ServerProcess(["--threads", "1", *args], model_factory=model)
+
+
+def post(url: str, body: dict, timeout: float = 30.0) -> httpx.Response:
+    return httpx.post(url + "/predict", json=body, timeout=timeout)
+
+
+def slow_body(**extra) -> dict:
+    return {"prompt": "The" + SLOW_WORD + " cat", "max_new_tokens": 1, **extra}
+
+
+def test_overload_gets_429_then_504_and_the_server_recovers():
+    with (
+        slow_server(2.0, "--max-in-flight", "4", "--queue-timeout", "1") as server,
+        ThreadPoolExecutor(8) as pool,
+    ):
+        held = pool.submit(post, server.url, slow_body())
+        time.sleep(0.3)  # the worker is now busy for 2 s
+        queued = [pool.submit(post, server.url, {"prompt": PROMPT, "max_new_tokens": 2}) for _ in range(3)]
+        time.sleep(0.2)
+        refused = post(server.url, {"prompt": PROMPT})
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+        started = time.monotonic()
+        statuses = [future.result().status_code for future in queued]
+        assert statuses == [504, 504, 504]  # waited past the 1 s queue timeout, none hung
+        assert time.monotonic() - started < 1.5
+        assert "queue timeout" in queued[0].result().json()["detail"]
+        assert held.result().status_code == 200
+        assert post(server.url, {"prompt": PROMPT, "max_new_tokens": 2}).status_code == 200
+
+
+def test_a_killed_worker_fails_its_requests_fast_and_is_replaced():
+    # --batch-timeout: both requests land in the worker's batch before it is killed
+    with slow_server(3.0, "--batch-timeout", "0.5") as server, ThreadPoolExecutor(2) as pool:
+        info = httpx.get(server.url + "/info").json()
+        assert info["model"]["depth"] == 4
+        in_flight = pool.submit(post, server.url, slow_body())
+        streamed = pool.submit(post, server.url, slow_body(stream=True, blocks="skip=1"))
+        time.sleep(1.0)
+        (worker,) = server.workers()
+        killed_at = time.monotonic()
+        os.kill(worker, signal.SIGKILL)
+        response = in_flight.result()
+        assert response.status_code == 503 and "died" in response.json()["detail"]
+        assert streamed.result().status_code == 503  # before its first token: a status, not a cut stream
+        assert time.monotonic() - killed_at < 5
+        deadline = time.monotonic() + 60
+        while httpx.get(server.url + "/health").status_code != 200:  # the new worker loads the model
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.2)
+        assert post(server.url, {"prompt": PROMPT, "max_new_tokens": 2}).status_code == 200
+
+
+def test_an_error_mid_stream_ends_with_an_error_event():
+    """The worker dies after the first token: the stream ends with an error event, not a silent cut."""
+    with ServerProcess(["--threads", "1"], model_factory=TinyModel(step_s=0.1)) as server:
+        body = {"prompt": PROMPT, "max_new_tokens": 40, "stream": True}
+        (worker,) = server.workers()
+        events = []
+        with httpx.stream("POST", server.url + "/predict", json=body, timeout=30) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                events.append(json.loads(line))
+                if len(events) == 1:
+                    os.kill(worker, signal.SIGKILL)
+        assert events[0]["event"] == "token"
+        assert events[-1]["event"] == "error" and events[-1]["status"] == 503
+        assert len(events) < 40
+
+
+def test_sigterm_drains_requests_in_flight_and_leaves_no_process(tmp_path):
+    """Through the real CLI and --model DIR: requests running at SIGTERM finish, then all exits."""
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=50257, block_size=1024)
+    save_model(GPT(config), tmp_path / "model")
+    server = ServerProcess(["--model", str(tmp_path / "model"), "--threads", "1"]).start()
+    try:
+        processes = descendants(server.pid) | {server.pid}
+        assert len(processes) >= 3  # the server, LitServe's manager, a worker (and the resource tracker)
+        with ThreadPoolExecutor(3) as pool:
+            body = {"prompt": PROMPT, "max_new_tokens": 900}
+            running = [pool.submit(post, server.url, body, 120.0) for _ in range(3)]
+            time.sleep(1.0)
+            assert not any(future.done() for future in running), "requests finished before SIGTERM"
+            assert server.stop(timeout=120) == 0
+            outs = [future.result() for future in running]
+        assert [out.status_code for out in outs] == [200, 200, 200]
+        assert all(len(out.json()["tokens"]) == 900 for out in outs)
+        time.sleep(0.5)
+        assert [pid for pid in processes if is_alive(pid)] == []
+        with socket.socket() as sock:  # the port is free again (for a server, which sets SO_REUSEADDR)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", server.port))
+            sock.listen()
+    finally:
+        server.stop()
