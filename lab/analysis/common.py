@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import typing
@@ -180,7 +181,8 @@ def text_tokens(args: argparse.Namespace, model: GPT) -> tuple[list[int], str]:
 
 
 def fmt(value: Any, digits: int = 4) -> str:
-    """Integers with thousands separators, floats to ``digits`` significant figures."""
+    """Integers with thousands separators; floats to ``digits`` significant figures, thousands and up
+    as whole numbers with separators, and the very large or very small in scientific notation."""
     if isinstance(value, bool) or value is None:
         return "-" if value is None else str(value).lower()
     if isinstance(value, int):
@@ -188,8 +190,10 @@ def fmt(value: Any, digits: int = 4) -> str:
     if isinstance(value, float):
         if math.isnan(value) or math.isinf(value):
             return str(value)
-        if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
+        if value != 0 and (abs(value) >= 1e15 or abs(value) < 1e-3):
             return f"{value:.{digits - 1}e}"
+        if abs(value) >= 10 ** (digits - 1):
+            return f"{value:,.0f}"
         return f"{value:.{digits}g}"
     return str(value)
 
@@ -254,6 +258,15 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): timings mean little when it exceeds the
+    threads in use, so the timing commands report it."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def median_ms(times_s: Sequence[float]) -> float:

@@ -76,6 +76,7 @@ def build(n_layer: int, d: int, n_head: int, vocab_size: int, context: int) -> G
 def depth_report(
     stacks: list[str], baseline: str, head_size: int, vocab_size: int, prompt_len: int, new: int, repeats: int
 ) -> dict:
+    load_before = common.load_average()
     shapes = [parse_stack(s) for s in stacks]
     models = {
         s: build(L, d, heads_for(d, head_size), vocab_size, prompt_len + new)
@@ -120,6 +121,7 @@ def depth_report(
         "samples_per_stack": len(blocks[baseline]),
         "threads": torch.get_num_threads(),
         "vocab_size": vocab_size,
+        "load_average": [load_before, common.load_average()],
         "rows": rows,
     }
 
@@ -144,7 +146,8 @@ def render(report: dict) -> str:
         f"depth: batch-1 decode with a KV cache, prompt {report['prompt']} tokens, "
         f"{report['new_tokens']} new; "
         f"median over {report['samples_per_stack']} decode steps ({report['repeats']} repeats), "
-        f"{report['threads']} threads, V={report['vocab_size']}, random weights",
+        f"{report['threads']} threads, V={report['vocab_size']}, random weights; "
+        f"load average {report['load_average'][0]} at start, {report['load_average'][1]} at end",
         "",
         common.table(columns, lines),
         "",

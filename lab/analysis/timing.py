@@ -54,7 +54,8 @@ def render(report: dict) -> str:
     ]
     out = [
         f"timing: one Block of {report['config']}, batch 1, {report['threads']} threads, "
-        f"median of {report['repeats']} repeats",
+        f"median of {report['repeats']} repeats; load average {report['load_average'][0]} at start, "
+        f"{report['load_average'][1]} at end",
         "attention stage = attn(ln_1(x)) with its projections; rest = Block - attention (feed-forward, "
         "ln_2, the adds); share = attention ms / Block ms",
         "",
@@ -84,6 +85,7 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(args.threads)
     cfg = common.config_from_args(args)
+    load_before = common.load_average()
     rows = []
     for T in args.T:
         for attention in args.modes:
@@ -99,6 +101,7 @@ def main(argv: list[str]) -> int:
         "threads": args.threads,
         "repeats": args.repeats,
         "T": args.T,
+        "load_average": [load_before, common.load_average()],
         "rows": rows,
     }
     common.emit(args, report, render(report))
