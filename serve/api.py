@@ -132,6 +132,10 @@ class BlockLabAPI(ls.LitAPI):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.threads:
             torch.set_num_threads(self.threads)
+        self.load(device)
+
+    def load(self, device: str) -> None:
+        """The model and its engine in this process (``setup`` without the worker's process setup)."""
         self.model = self.model_factory(device).eval()
         self.limits = ModelLimits(n_layer=self.model.config.n_layer, block_size=self.model.config.block_size)
         self.engine = Engine(self.model)

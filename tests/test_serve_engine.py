@@ -1,0 +1,150 @@
+"""The server's inference in-process: batched groups against ``lab.generate``, isolation, cancellation."""
+
+import time
+
+import pytest
+
+from lab import generate as lab_generate
+from lab import tokens
+from lab.blocks import BlockSet
+from serve.api import BlockLabAPI, Rejection, SharedState
+from serve.engine import Engine, Job
+from serve.schema import PredictRequest
+from serve.testing import TinyModel
+
+N_LAYER = 4
+PROMPT = tokens.encode("The quick brown fox jumps over")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return TinyModel(n_layer=N_LAYER, fail_token=tokens.encode(" explode")[0])("cpu")
+
+
+def job(
+    block_set="all", prompt=PROMPT, max_new_tokens=6, temperature=0.0, seed=1, score=False, **extra
+) -> Job:
+    return Job(
+        request_id=None,
+        prompt_tokens=prompt,
+        block_set=BlockSet.parse(block_set, N_LAYER),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=extra.pop("top_k", None),
+        seed=seed,
+        score=score,
+        stream=extra.pop("stream", False),
+        submitted_at=time.monotonic(),
+        **extra,
+    )
+
+
+def run(engine: Engine, jobs: list[Job]) -> tuple[dict[int, dict], dict[int, list[dict]]]:
+    """Each job's last event (done or error) and every event it got."""
+    last, seen = {}, {}
+    for events in engine.run(list(enumerate(jobs))):
+        for position, event in events:
+            seen.setdefault(position, []).append(event)
+            last[position] = event
+    return last, seen
+
+
+def test_batched_generation_matches_lab_generate(model):
+    jobs = [
+        job("skip=1"),
+        job("skip=1", temperature=1.0, seed=5),
+        job("skip=1", temperature=0.7, seed=9, top_k=20, max_new_tokens=3),
+    ]
+    last, _ = run(Engine(model), jobs)
+    for position, one in enumerate(jobs):
+        expected = lab_generate.generate(
+            model,
+            one.prompt_tokens,
+            one.max_new_tokens,
+            temperature=one.temperature,
+            top_k=one.top_k,
+            seed=one.seed,
+            stop_token=tokens.EOT,
+            block_set=one.block_set,
+        )
+        response = last[position]["response"]
+        assert response["tokens"] == [step.token for step in expected]
+        assert response["batch_size"] == 3  # one group: same block set, same prompt length
+
+
+def test_right_padded_scoring_is_exact(model):
+    texts = ["a b c d e f g h i j", "hello there", "one two three four five"]
+    jobs = [job("exit=3", prompt=tokens.encode(text), max_new_tokens=0) for text in texts]
+    last, _ = run(Engine(model), jobs)
+    for position, text in enumerate(texts):
+        expected = lab_generate.score(model, tokens.encode(text), BlockSet.parse("exit=3", N_LAYER))
+        score = last[position]["response"]["score"]
+        assert score["mean_loss"] == pytest.approx(expected.mean_loss, abs=1e-5)
+        assert score["token_losses"] == pytest.approx(expected.token_losses, abs=1e-5)
+        assert last[position]["response"]["batch_size"] == 3
+
+
+def test_block_sets_are_never_mixed(model):
+    specs = ["all", "skip=2", "exit=2", "overwrite=1", "all", "skip=2"]
+    together, _ = run(Engine(model), [job(spec, score=True) for spec in specs])
+    for position, spec in enumerate(specs):
+        alone, _ = run(Engine(model), [job(spec, score=True)])
+        assert together[position]["response"]["tokens"] == alone[0]["response"]["tokens"]
+        assert together[position]["response"]["score"]["mean_loss"] == pytest.approx(
+            alone[0]["response"]["score"]["mean_loss"], abs=1e-5
+        )
+        assert together[position]["response"]["block_set"] == spec
+
+
+def test_a_failing_group_does_not_take_the_others_down(model):
+    failing = job(prompt=tokens.encode("Please explode now"))
+    last, _ = run(Engine(model), [job(), failing, job("skip=1")])
+    assert (
+        last[1]["event"] == "error" and last[1]["status"] == 500 and "injected failure" in last[1]["message"]
+    )
+    assert last[0]["event"] == "done" and last[2]["event"] == "done"
+
+
+def test_a_cancelled_job_stops_without_another_event(model):
+    cancelled = {"now": False}
+    streaming = job(max_new_tokens=20, stream=True, cancelled=lambda: cancelled["now"])
+    events = []
+    for tick in Engine(model).run([(0, streaming), (1, job(max_new_tokens=20))]):
+        events += [event for position, event in tick if position == 0]
+        if len(events) == 3:
+            cancelled["now"] = True
+    assert len(events) == 3 and all(event["event"] == "token" for event in events)
+
+
+def test_end_of_text_stops_generation(model):
+    class AlwaysEnds(type(model)):
+        def unembed(self, x):
+            logits = super().unembed(x)
+            logits[..., tokens.EOT] = 1e4
+            return logits
+
+    ending = AlwaysEnds(model.config)
+    last, _ = run(Engine(ending.eval()), [job(max_new_tokens=5)])
+    response = last[0]["response"]
+    assert response["finish_reason"] == "stop" and response["tokens"] == [] and response["text"] == ""
+
+
+def test_streamed_pieces_add_up_to_the_text(model):
+    _, seen = run(Engine(model), [job(max_new_tokens=12, temperature=1.0, seed=3, stream=True)])
+    pieces = [event["text"] for event in seen[0] if event["event"] == "token"]
+    text = seen[0][-1]["response"]["text"]
+    assert text.startswith("".join(pieces)) and len(pieces) == 12
+
+
+def test_decode_request_rejects_what_does_not_fit_the_model():
+    api = BlockLabAPI(TinyModel(n_layer=N_LAYER, block_size=32), SharedState(max_in_flight=4))
+    api.load("cpu")
+    assert api.shared.limits().n_layer == N_LAYER
+    rejected = api.decode_request(PredictRequest(prompt="hello there", exit_at=N_LAYER + 1))
+    assert isinstance(rejected, Rejection) and rejected.status == 422 and "exit_at" in rejected.message
+    too_long = api.decode_request(PredictRequest(prompt="word " * 40, max_new_tokens=1))
+    assert isinstance(too_long, Rejection) and "context length" in too_long.message
+    accepted = api.decode_request(PredictRequest(prompt="hello there", blocks="skip=0"))
+    assert isinstance(accepted, Job) and accepted.block_set == BlockSet(skip=frozenset({0}))
+    events = [event for tick in api.predict([rejected, accepted]) for event in tick]
+    assert {position for position, _ in events} == {0, 1}
