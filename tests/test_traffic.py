@@ -1,0 +1,119 @@
+"""``blocklab traffic``: block set defaults, prompt sources, statistics, outputs, and one real run."""
+
+import json
+
+import pytest
+
+from lab import tokens
+from serve import traffic
+from serve.testing import ServerProcess, TinyModel
+from serve.traffic import Sample, Summary
+
+
+def test_default_block_sets_follow_the_depth():
+    assert traffic.default_block_sets(12) == [
+        "all",
+        "skip=5",
+        "skip=3,4,5",
+        "exit=6",
+        "exit=9",
+        "adaptive=0.9",
+    ]
+    small = traffic.default_block_sets(2)
+    assert len(small) == len(set(small)) and small[0] == "all"
+
+
+def test_only_loopback_unless_allowed():
+    traffic.check_loopback("http://127.0.0.1:8000", allow_remote=False)
+    traffic.check_loopback("http://localhost:8000", allow_remote=False)
+    traffic.check_loopback("http://[::1]:8000", allow_remote=False)
+    for url in ("http://10.0.0.5:8000", "http://example.com"):
+        with pytest.raises(SystemExit, match="not a loopback"):
+            traffic.check_loopback(url, allow_remote=False)
+    traffic.check_loopback("http://10.0.0.5:8000", allow_remote=True)
+    with pytest.raises(SystemExit, match="not a loopback"):
+        traffic.main(["traffic", "--url", "http://192.0.2.1:8000"])
+
+
+def test_prompts_from_text_jsonl_and_the_bundled_docs(tmp_path):
+    text = tmp_path / "prompts.txt"
+    text.write_text("first prompt\n\nsecond prompt\n")
+    assert traffic.read_prompts(text, 10) == ["first prompt", "second prompt"]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text('{"prompt": "a"}\n"b"\n')
+    assert traffic.read_prompts(jsonl, 10) == ["a", "b"]
+    bundled = traffic.read_prompts(None, 5, seed=1)
+    assert len(bundled) == 5 and bundled == traffic.read_prompts(None, 5, seed=1)
+    assert all(len(prompt) >= 80 for prompt in bundled)
+    assert len(tokens.encode(traffic.fit_prompt(bundled[0] * 20, 30))) <= 30
+
+
+def test_summary_statistics_and_loss_increase():
+    samples = [
+        Sample(latency_s=0.1 * (i + 1), ttft_s=0.01, tpot_s=0.002, new_tokens=4, loss=2.0 + i)
+        for i in range(10)
+    ]
+    samples.append(Sample(latency_s=5.0, error="500: boom"))
+    base = traffic.summarize("all", samples, wall_s=2.0)
+    assert base.requests == 11 and base.errors == 1 and base.first_error == "500: boom"
+    assert base.latency_p50_ms == pytest.approx(550.0) and base.latency_p99_ms <= 1000.0
+    assert base.mean_loss == pytest.approx(6.5) and base.tokens_per_s == pytest.approx(20.0)
+    other = traffic.summarize("skip=1", [Sample(latency_s=0.2, loss=7.0)], wall_s=1.0)
+    traffic.with_loss_increase([base, other])
+    assert other.loss_increase == pytest.approx(0.5) and base.loss_increase == 0.0
+
+
+def _summary(name: str, latency: float, loss: float) -> Summary:
+    return traffic.summarize(name, [Sample(latency_s=latency, loss=loss)], wall_s=1.0)
+
+
+def test_frontier_keeps_what_nothing_faster_beats():
+    points = [
+        _summary("all", 1.0, 2.0),
+        _summary("a", 0.5, 2.5),
+        _summary("b", 0.6, 3.0),
+        _summary("c", 0.2, 4.0),
+    ]
+    assert [s.block_set for s in traffic.frontier(points)] == ["c", "a", "all"]
+
+
+def test_results_are_written_as_csv_json_and_png(tmp_path):
+    summaries = traffic.with_loss_increase([_summary("all", 1.0, 2.0), _summary("exit=1", 0.4, 3.0)])
+    paths = traffic.write_results(summaries, tmp_path, {"model": "m", "concurrency": 2})
+    assert paths["png"].stat().st_size > 1000
+    assert paths["csv"].read_text().splitlines()[0].startswith("block_set,requests,errors")
+    assert json.loads(paths["json"].read_text())["block_sets"][1]["loss_increase"] == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_traffic_against_a_real_server(tmp_path, capsys):
+    with ServerProcess(["--threads", "1", "--model", "tiny"], model_factory=TinyModel(n_layer=4)) as server:
+        code = traffic.main(
+            [
+                "traffic",
+                "--url",
+                server.url,
+                "--requests",
+                "6",
+                "--concurrency",
+                "3",
+                "--max-new-tokens",
+                "4",
+                "--block-sets",
+                "all",
+                "skip=1,2",
+                "exit=1",
+                "--out",
+                str(tmp_path),
+                "--json",
+            ]
+        )
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    by_set = {row["block_set"]: row for row in result["block_sets"]}
+    assert set(by_set) == {"all", "skip=1,2", "exit=1"}
+    assert all(row["requests"] == 6 and row["errors"] == 0 for row in by_set.values())
+    assert by_set["exit=1"]["mean_blocks_per_token"] == 1.0 and by_set["all"]["mean_blocks_per_token"] == 4.0
+    assert by_set["skip=1,2"]["loss_increase"] != 0.0
+    assert by_set["all"]["ttft_p50_ms"] <= by_set["all"]["latency_p50_ms"]
+    assert (tmp_path / "frontier.png").exists() and (tmp_path / "traffic.csv").exists()
