@@ -40,7 +40,8 @@ class _InstrumentedGPT(GPT):
             raise RuntimeError(f"injected failure: token {self.fail_token} in the input")
         if self.slow_token is not None and bool((idx == self.slow_token).any()):
             time.sleep(self.slow_s)
-        time.sleep(self.step_s)
+        if self.step_s:
+            time.sleep(self.step_s)
         return super().forward(idx, cache=cache, block_set=block_set)
 
 

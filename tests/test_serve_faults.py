@@ -23,9 +23,16 @@ SLOW_WORD = " sleepy"  # one token; a forward pass over it sleeps (TinyModel.slo
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
-def slow_server(slow_s: float, *args: str) -> ServerProcess:
-    model = TinyModel(slow_token=tokens.encode(SLOW_WORD)[0], slow_s=slow_s)
+def slow_server(slow_s: float, *args: str, step_s: float = 0.0) -> ServerProcess:
+    model = TinyModel(slow_token=tokens.encode(SLOW_WORD)[0], slow_s=slow_s, step_s=step_s)
     return ServerProcess(["--threads", "1", *args], model_factory=model)
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    """At most 4 requests in flight, 1 s of queueing; 20 ms a step, 2 s for a prompt with SLOW_WORD."""
+    with slow_server(2.0, "--max-in-flight", "4", "--queue-timeout", "1", step_s=0.02) as server:
+        yield server
 
 
 def post(url: str, body: dict, timeout: float = 30.0) -> httpx.Response:
@@ -36,11 +43,9 @@ def slow_body(**extra) -> dict:
     return {"prompt": "The" + SLOW_WORD + " cat", "max_new_tokens": 1, **extra}
 
 
-def test_overload_gets_429_then_504_and_the_server_recovers():
-    with (
-        slow_server(2.0, "--max-in-flight", "4", "--queue-timeout", "1") as server,
-        ThreadPoolExecutor(8) as pool,
-    ):
+def test_overload_gets_429_then_504_and_the_server_recovers(small_server):
+    server = small_server
+    with ThreadPoolExecutor(8) as pool:
         held = pool.submit(post, server.url, slow_body())
         time.sleep(0.3)  # the worker is now busy for 2 s
         queued = [pool.submit(post, server.url, {"prompt": PROMPT, "max_new_tokens": 2}) for _ in range(3)]
@@ -54,6 +59,17 @@ def test_overload_gets_429_then_504_and_the_server_recovers():
         assert "queue timeout" in queued[0].result().json()["detail"]
         assert held.result().status_code == 200
         assert post(server.url, {"prompt": PROMPT, "max_new_tokens": 2}).status_code == 200
+
+
+def test_a_client_that_disconnects_stops_its_generation(small_server):
+    body = {"prompt": PROMPT, "max_new_tokens": 100, "stream": True}  # 100 steps of 20 ms
+    with httpx.stream("POST", small_server.url + "/predict", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert json.loads(next(lines))["event"] == "token"
+    # Closed after one token. Were the other 99 steps still running, this would wait ~2 s (504 at 1 s).
+    after = post(small_server.url, {"prompt": PROMPT, "max_new_tokens": 1})
+    assert after.status_code == 200, after.text
+    assert after.json()["timings"]["queue_ms"] < 500
 
 
 def test_a_killed_worker_fails_its_requests_fast_and_is_replaced():
