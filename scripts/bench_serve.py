@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ import torch
 
 from serve.api import BlockLabAPI, SharedState
 from serve.schema import PredictRequest
-from serve.testing import ServerProcess, TinyModel
+from serve.testing import ServerProcess, TinyModel, free_port
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find"
 
@@ -38,9 +39,23 @@ def p50_ms(seconds: list[float]) -> float:
     return statistics.median(seconds) * 1000.0
 
 
+# The floor: the same body validated by FastAPI and answered at once, under the same uvicorn.
+BARE_FASTAPI = """
+import sys
+import uvicorn
+from fastapi import FastAPI
+from serve.schema import PredictRequest
+app = FastAPI()
+@app.post("/predict")
+async def predict(request: PredictRequest) -> dict:
+    return {"id": request.id}
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+
+
 def overhead(repeats: int) -> dict:
-    """In-process and HTTP calls alternate, so both see the same load on a shared machine."""
-    body = {"prompt": PROMPT, "max_new_tokens": 1, "seed": 0}
+    """In-process, our server and a bare FastAPI endpoint in turn, so all see the same machine load."""
+    body = {"prompt": "The quick brown fox", "max_new_tokens": 1, "seed": 0}
     torch.set_num_threads(1)  # as the server's worker below
     api = BlockLabAPI(TinyModel(), SharedState(max_in_flight=1))
     api.load("cpu")
@@ -49,24 +64,39 @@ def overhead(repeats: int) -> dict:
         for _ in api.predict([api.decode_request(PredictRequest(**body))]):
             pass
 
-    local, remote = [], []
-    with (
-        ServerProcess(["--threads", "1", "--model", "tiny"], model_factory=TinyModel()) as server,
-        httpx.Client(base_url=server.url, timeout=30.0) as client,
-    ):
-        for i in range(repeats + 20):
-            start = time.perf_counter()
-            in_process()
-            middle = time.perf_counter()
-            client.post("/predict", json=body).raise_for_status()
-            end = time.perf_counter()
-            if i >= 20:  # warm-up dropped
-                local.append(middle - start)
-                remote.append(end - middle)
+    bare_port = free_port()
+    bare = subprocess.Popen([sys.executable, "-c", BARE_FASTAPI, str(bare_port)])
+    times: dict[str, list[float]] = {"in_process": [], "http": [], "bare": [], "queued": [], "outside": []}
+    try:
+        with (
+            ServerProcess(["--threads", "1", "--model", "tiny"], model_factory=TinyModel()) as server,
+            httpx.Client(base_url=server.url, timeout=30.0) as client,
+            httpx.Client(base_url=f"http://127.0.0.1:{bare_port}", timeout=30.0) as bare_client,
+        ):
+            for i in range(repeats + 20):
+                start = time.perf_counter()
+                in_process()
+                middle = time.perf_counter()
+                timings = client.post("/predict", json=body).raise_for_status().json()["timings"]
+                end = time.perf_counter()
+                bare_client.post("/predict", json=body).raise_for_status()
+                if i >= 20:  # warm-up dropped
+                    times["in_process"].append(middle - start)
+                    times["http"].append(end - middle)
+                    times["bare"].append(time.perf_counter() - end)
+                    times["queued"].append(timings["queue_ms"] / 1000.0)
+                    times["outside"].append(end - middle - timings["total_ms"] / 1000.0)
+    finally:
+        bare.terminate()
+        bare.wait()
+    p50 = {name: round(p50_ms(values), 3) for name, values in times.items()}
     return {
-        "in_process_p50_ms": round(p50_ms(local), 3),
-        "http_p50_ms": round(p50_ms(remote), 3),
-        "overhead_p50_ms": round(p50_ms(remote) - p50_ms(local), 3),
+        "in_process_p50_ms": p50["in_process"],
+        "http_p50_ms": p50["http"],
+        "overhead_p50_ms": round(p50["http"] - p50["in_process"], 3),
+        "server_queue_p50_ms": p50["queued"],
+        "outside_worker_p50_ms": p50["outside"],
+        "bare_fastapi_p50_ms": p50["bare"],
         "requests": repeats,
     }
 
@@ -138,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         f"overhead at batch 1 (tiny model, p50 of {o['requests']} alternating calls): "
         f"in-process {o['in_process_p50_ms']:.3f} ms, HTTP {o['http_p50_ms']:.3f} ms, "
         f"overhead {o['overhead_p50_ms']:.3f} ms (target <= 1.5)"
+    )
+    print(
+        f"  of which: queued until the worker's batch started {o['server_queue_p50_ms']:.3f} ms; "
+        f"HTTP and response path (client time - worker's total) {o['outside_worker_p50_ms']:.3f} ms; "
+        f"a bare FastAPI endpoint validating the same body: {o['bare_fastapi_p50_ms']:.3f} ms"
     )
     print(
         f"throughput ({b['model']}, {b['new_tokens']} new tokens): 1 client {b['sequential_rps']:.3f} req/s, "

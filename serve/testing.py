@@ -28,21 +28,24 @@ from lab.model import GPT
 
 
 class _InstrumentedGPT(GPT):
-    """A GPT whose forward sleeps or raises when it sees a given token."""
+    """A GPT whose every pass sleeps, or sleeps or raises when it sees a given token.
+
+    Hooked on ``embed_tokens``, where every pass starts (``forward``, the server's prefill, adaptive exit).
+    """
 
     step_s: float = 0.0
     slow_token: int | None = None
     slow_s: float = 0.0
     fail_token: int | None = None
 
-    def forward(self, idx, cache=None, block_set=None):
+    def embed_tokens(self, idx: torch.Tensor, pos: int = 0) -> torch.Tensor:
         if self.fail_token is not None and bool((idx == self.fail_token).any()):
             raise RuntimeError(f"injected failure: token {self.fail_token} in the input")
         if self.slow_token is not None and bool((idx == self.slow_token).any()):
             time.sleep(self.slow_s)
         if self.step_s:
             time.sleep(self.step_s)
-        return super().forward(idx, cache=cache, block_set=block_set)
+        return super().embed_tokens(idx, pos)
 
 
 @dataclass(frozen=True)
@@ -55,12 +58,12 @@ class TinyModel:
     block_size: int = 128
     seed: int = 0
     step_s: float = 0.0
-    """Every forward pass sleeps this long first: a slower model, so requests stay in flight."""
+    """Every pass sleeps this long first: a slower model, so requests stay in flight."""
     slow_token: int | None = None
-    """A forward pass over this token sleeps ``slow_s`` first."""
+    """A pass over this token sleeps ``slow_s`` first."""
     slow_s: float = 0.0
     fail_token: int | None = None
-    """A forward pass over this token raises RuntimeError."""
+    """A pass over this token raises RuntimeError."""
 
     def config(self) -> GPTConfig:
         return GPTConfig(

@@ -19,7 +19,7 @@ from serve.testing import ServerProcess, TinyModel, descendants, is_alive
 
 pytestmark = pytest.mark.slow
 
-SLOW_WORD = " sleepy"  # one token; a forward pass over it sleeps (TinyModel.slow_token)
+SLOW_WORD = " sleepy"  # one token; a pass over it sleeps (TinyModel.slow_token)
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
