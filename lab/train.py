@@ -113,12 +113,17 @@ class LitGPT(L.LightningModule):
         self.baselines = dict(getattr(data, "baselines", {}))
 
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor | None:
-        """Cross entropy of the batch, logged as ``{stage}/loss`` and ``{stage}/bpc``; None if not finite."""
+        """Cross entropy of the batch, logged as ``{stage}/loss`` and ``{stage}/bpc``.
+
+        A non-finite training loss returns None instead (the step is skipped, nothing is logged).
+        """
         x, y = batch  # [B, T] each
         logits = self.model(x)  # [B, T, V]
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())  # mean over B*T tokens
-        # Every rank must agree, or DDP would wait forever for a skipping rank's gradients.
-        if not self.trainer.strategy.reduce_boolean_decision(bool(torch.isfinite(loss)), all=True):
+        # Every rank must agree to skip, or DDP would wait forever for a skipping rank's gradients.
+        if stage == "train" and not self.trainer.strategy.reduce_boolean_decision(
+            bool(torch.isfinite(loss)), all=True
+        ):
             return None
         for name, value in (("loss", loss), ("bpc", loss / math.log(2))):
             metric = self.metrics[f"{stage}_{name}"]
