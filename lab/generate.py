@@ -75,7 +75,7 @@ def mean_blocks(steps: list[Step]) -> float:
     return sum(len(step.blocks_run) for step in steps) / len(steps) if steps else 0.0
 
 
-def _stability(read_now: torch.Tensor, read_before: torch.Tensor) -> torch.Tensor:
+def stability(read_now: torch.Tensor, read_before: torch.Tensor) -> torch.Tensor:
     """Cosine between consecutive read-out inputs ln_f(x), per position. [..., D] x 2 -> [...]."""
     return F.cosine_similarity(read_now, read_before, dim=-1)
 
@@ -156,7 +156,7 @@ class Decoder:
             x = model.blocks[i](x, self.cache.layer(i), pos, overwrite=i in block_set.overwrite)
             if checking:
                 read_now = model.ln_f(x)  # [1, 1, D]
-                if float(_stability(read_now, read_before)) >= threshold:
+                if float(stability(read_now, read_before)) >= threshold:
                     break
                 read_before = read_now
         for i in self.blocks[ran:]:  # exited early: deeper blocks still need this position's K/V
@@ -258,7 +258,7 @@ def adaptive_forward(
         depth += active.cpu()
         if checking:
             read_now = model.ln_f(x)  # [1, T, D]
-            stable = _stability(read_now, read_before)[0] >= block_set.adaptive_threshold  # [T]
+            stable = stability(read_now, read_before)[0] >= block_set.adaptive_threshold  # [T]
             active &= ~(stable & may_exit)
             read_before = read_now
     return model.unembed(x), [blocks[:d] for d in depth.tolist()]

@@ -1,0 +1,265 @@
+"""``blocklab builtin``: train the embedded default model once, into the user's cache dir.
+
+    blocklab builtin            # ~10 minutes on 2 CPU cores; then `--model builtin` works everywhere
+    blocklab builtin --force    # train again
+
+GPT-2's own weights cannot be downloaded everywhere, so blocklab makes a GPT-2-shaped model of its own:
+the GPT-2 tokenizer, 12 blocks, narrower (width 128, 4 heads, context 256), trained with the Lightning
+lab (``lab.train.LitGPT``) on the CPython standard library's own source (``lab.token_data``): every
+Python install carries the same corpus, so nothing is downloaded. It trains in a compact vocabulary
+of the tokens the corpus uses and is widened to GPT-2's 50257 rows before saving (see
+``lab.token_data``). The report gives its validation loss and the loss with each block skipped, to
+show that every block matters. Saved with ``lab.weights.save_model`` in ``lab.weights.builtin_dir()``
+(``~/.cache/blocklab/builtin``, or ``$BLOCKLAB_CACHE/builtin``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lab import tokens
+from lab.blocks import BlockSet
+from lab.config import GPTConfig
+from lab.model import GPT
+from lab.token_data import TokenDataModule, stdlib_files
+from lab.train import STREAM_TRAINER_ARGS, LitGPT
+from lab.weights import FORMAT_FILE, build_model, builtin_dir, read_metadata, save_model
+
+
+@dataclass
+class Recipe:
+    """How the builtin model is made. The defaults fit ~10 minutes on 2 CPU cores."""
+
+    n_layer: int = 12
+    n_head: int = 4
+    n_embd: int = 128
+    """Narrow: at GPT-2's vocabulary the unembedding is most of a step; 128 trains far enough in time."""
+    block_size: int = 256
+    batch_size: int = 8
+    """Windows of block_size tokens per step: small batches, many steps, for a short budget."""
+    max_steps: int | None = None
+    """Optimiser steps; None: as many as fit in ``minutes``, measured on this machine before training."""
+    minutes: float = 10.0
+    """Budget of the whole command (corpus, training, evaluation); training stops here regardless."""
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    max_files: int | None = None
+    """Use only the first files of the standard library (tests use a handful)."""
+    val_every: int = 20
+    """Every 20th file of the standard library is held out for validation."""
+    eval_batches: int = 4
+    """Validation batches (of batch_size windows of block_size tokens) for the report."""
+    seed: int = 1
+
+
+UNSEEN_MARGIN = 15.0
+"""Nats below the lowest log-normaliser seen on validation text at which never-seen tokens sit."""
+
+
+def widen_vocabulary(model: GPT, gpt2_ids: torch.Tensor, unseen_logit: float) -> GPT:
+    """The compact-vocabulary model as a GPT-2-vocabulary one: row ``gpt2_ids[i]`` gets compact row i,
+    and every never-seen token a row whose logit is ``unseen_logit`` whatever the input.
+
+    Why a constant: ln_f(x) = gamma * n + beta with n the normalised stream, which sums to zero over
+    the width. For the row w = k / gamma the logit is ln_f(x) . w = k * sum(n) + k * sum(beta / gamma)
+    = k * sum(beta / gamma), the same for every x; k sets it to ``unseen_logit``.
+    """
+    state = dict(model.state_dict())
+    gamma, beta = state["ln_f.weight"], state["ln_f.bias"]  # [D] each
+    per_unit = float((beta / gamma).sum())  # the logit of the row 1 / gamma
+    if abs(per_unit) < 1e-3:
+        raise ValueError(f"ln_f's sum(beta / gamma) is {per_unit:.2e}: no row gives a constant low logit")
+    compact = state["wte.weight"]  # [V_seen, D]
+    table = (unseen_logit / per_unit / gamma).expand(tokens.VOCAB_SIZE, -1).clone()  # [50257, D]
+    table[gpt2_ids] = compact
+    state["wte.weight"] = table
+    cfg = dataclasses.replace(model.config, vocab_size=tokens.VOCAB_SIZE, dropout=0.0)
+    return build_model(cfg, state, "builtin (widened)")
+
+
+@torch.inference_mode()
+def lowest_log_normaliser(model: GPT, dm: TokenDataModule) -> float:
+    """The smallest logsumexp of the compact model's logits over the validation positions."""
+    return min(float(torch.logsumexp(model(x), dim=-1).min()) for x, _ in dm.val_dataloader())
+
+
+@torch.inference_mode()
+def evaluate(model: GPT, dm: TokenDataModule) -> dict:
+    """Validation loss (nats/token, GPT-2 ids) with every block and with each block skipped, and the
+    probability mass the model puts on tokens the corpus never uses."""
+    batches = [(dm.gpt2_ids[x], dm.gpt2_ids[y]) for x, y in dm.val_dataloader()]  # back to GPT-2 ids
+    unseen = torch.ones(tokens.VOCAB_SIZE, dtype=torch.bool)  # [50257]
+    unseen[dm.gpt2_ids] = False
+
+    def loss(block_set: BlockSet) -> tuple[float, float]:
+        total, mass = 0.0, 0.0
+        for x, y in batches:
+            logits = model(x, block_set=block_set)  # [B, T, V]
+            total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+            mass += float(logits.softmax(-1)[..., unseen].sum(-1).mean())
+        return total / len(batches), mass / len(batches)
+
+    val_loss, unseen_mass = loss(BlockSet())
+    skipped = [loss(BlockSet(skip={i}))[0] for i in range(model.config.n_layer)]
+    return {"val_loss": val_loss, "val_loss_skip": skipped, "unseen_token_mass": unseen_mass}
+
+
+def seconds_per_step(lit: LitGPT, dm: TokenDataModule, threads: int, repeats: int = 2) -> float:
+    """Wall time of one training step (forward, backward, AdamW) of ``lit`` on this machine with
+    ``threads`` torch threads, measured on a copy so the model itself is untouched."""
+    torch.set_num_threads(threads)
+    model = copy.deepcopy(lit.model).train()
+    optimizer = torch.optim.AdamW(model.parameters())
+    x, y = next(iter(dm.train_dataloader()))  # [B, T] each
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def create_builtin(recipe: Recipe | None = None, directory: Path | None = None) -> dict:
+    """Train, widen, evaluate and save the builtin model; returns the report saved as its metadata."""
+    threads = torch.get_num_threads()
+    try:
+        return _create(recipe or Recipe(), directory or builtin_dir())
+    finally:
+        torch.set_num_threads(threads)  # training may pick fewer threads (see _create)
+
+
+def _create(recipe: Recipe, directory: Path) -> dict:
+    started = time.perf_counter()
+    files = stdlib_files(recipe.max_files)
+    dm = TokenDataModule(
+        files, seq_len=recipe.block_size, batch_size=recipe.batch_size, val_every=recipe.val_every,
+        val_batches=recipe.eval_batches, seed=recipe.seed,
+    )  # fmt: skip
+    print(
+        f"corpus: {len(files)} files of the Python {platform.python_version()} standard library, "
+        f"{len(dm.train_ids):,} training and {len(dm.val_ids):,} validation tokens, "
+        f"{dm.vocab_size:,} distinct tokens",
+        file=sys.stderr,
+    )
+    cfg = GPTConfig(
+        n_layer=recipe.n_layer, n_head=recipe.n_head, n_embd=recipe.n_embd, vocab_size=dm.vocab_size,
+        block_size=recipe.block_size,
+    )  # fmt: skip
+    L.seed_everything(recipe.seed, verbose=False)
+    max_steps = recipe.max_steps
+    probe = LitGPT(cfg)
+    # On a CPU shared with other jobs, 2 threads can be several times slower than 1 (each op waits for
+    # its slowest thread): measure both and train with the faster.
+    step_seconds, threads = min(
+        (seconds_per_step(probe, dm, threads=n), n) for n in sorted({1, torch.get_num_threads()})
+    )
+    torch.set_num_threads(threads)
+    if max_steps is None:
+        # What is left of the budget, less the evaluation at the end (a validation batch forward at
+        # 2.6x the vocabulary: ~2/3 of a step, for each of n_layer + 1 block sets), in steps.
+        evaluation = 0.7 * recipe.eval_batches * (recipe.n_layer + 1) * step_seconds
+        left = recipe.minutes * 60 - (time.perf_counter() - started) - evaluation
+        max_steps = max(int(left / step_seconds * 0.9), 10)
+    print(
+        f"{step_seconds:.2f} s per step with {threads} thread(s): training {max_steps} steps", file=sys.stderr
+    )
+    lit = LitGPT(
+        cfg, lr=recipe.lr, weight_decay=recipe.weight_decay, warmup_steps=max(max_steps // 10, 1),
+        schedule="cosine", min_lr=recipe.min_lr, max_steps=max_steps,
+    )  # fmt: skip
+    lit.model.load_state_dict(probe.model.state_dict())  # the seeded initialisation
+    with tempfile.TemporaryDirectory() as scratch:
+        logs = Path(scratch) / "logs"
+        trainer = L.Trainer(
+            **STREAM_TRAINER_ARGS,
+            accelerator="cpu",
+            devices=1,
+            max_steps=max_steps,
+            max_epochs=1,
+            limit_train_batches=max_steps,  # one "epoch" is the whole run: the bar shows its end
+            val_check_interval=max(max_steps // 4, 1),
+            limit_val_batches=recipe.eval_batches,
+            num_sanity_val_steps=0,
+            max_time={"seconds": max(recipe.minutes * 60 - (time.perf_counter() - started), 1)},
+            gradient_clip_val=1.0,
+            logger=TensorBoardLogger(logs, name="", version=""),
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            log_every_n_steps=10,
+        )
+        trainer.fit(lit, datamodule=dm)
+        train_seconds = time.perf_counter() - started
+        compact = lit.model.eval()
+        n_unseen = tokens.VOCAB_SIZE - dm.vocab_size
+        unseen_logit = lowest_log_normaliser(compact, dm) - math.log(n_unseen) - UNSEEN_MARGIN
+        model = widen_vocabulary(compact, dm.gpt2_ids, unseen_logit)
+        report = {
+            "python": platform.python_version(),
+            "files": len(files),
+            "val_files": dm.n_val_files,
+            "train_tokens": len(dm.train_ids),
+            "distinct_tokens": dm.vocab_size,
+            "unseen_logit": unseen_logit,
+            "steps": trainer.global_step,
+            "planned_steps": max_steps,
+            "tokens_seen": trainer.global_step * recipe.batch_size * recipe.block_size,
+            "seconds_per_step": round(step_seconds, 3),
+            "threads": threads,
+            "train_seconds": round(train_seconds, 1),
+            "unigram_loss": dm.unigram_entropy,
+            "recipe": dataclasses.asdict(recipe),
+            **evaluate(model, dm),
+        }
+        report["total_seconds"] = round(time.perf_counter() - started, 1)
+        save_model(model, directory, metadata=report)
+        shutil.copytree(logs, directory / "logs", dirs_exist_ok=True)  # TensorBoard: train/loss, val/loss
+    return report
+
+
+def format_report(report: dict) -> str:
+    loss = report["val_loss"]
+    lines = [
+        f"builtin: {report['steps']} steps ({report['tokens_seen']:,} tokens), "
+        f"{report['total_seconds']:.0f} s in all, on the Python {report['python']} standard library "
+        f"({report['files']} files)",
+        f"validation loss {loss:.3f} nats/token (perplexity {math.exp(loss):.1f}; a unigram model: "
+        f"{report['unigram_loss']:.3f}); probability on never-seen tokens {report['unseen_token_mass']:.1e}",
+        "validation loss with one block skipped:",
+    ]
+    for i, skipped in enumerate(report["val_loss_skip"]):
+        lines.append(f"  skip={i:<3d} {skipped:.3f}  (+{skipped - loss:.3f})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """``blocklab builtin [--force] [--minutes M] [--steps N]``."""
+    parser = argparse.ArgumentParser(prog="blocklab builtin", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--force", action="store_true", help="train again even if the model exists")
+    parser.add_argument("--minutes", type=float, default=Recipe.minutes, help="time budget of the command")
+    parser.add_argument("--steps", type=int, default=None, help="optimiser steps (default: fit the budget)")
+    args = parser.parse_args(argv[1:])
+    directory = builtin_dir()
+    if (directory / FORMAT_FILE).exists() and not args.force:
+        print(f"{directory} exists (train again with --force)\n{format_report(read_metadata(directory))}")
+        return 0
+    report = create_builtin(Recipe(max_steps=args.steps, minutes=args.minutes), directory)
+    print(f"saved to {directory}\n{format_report(report)}")
+    return 0

@@ -1,0 +1,125 @@
+"""GPT-2-token data for the training lab: source files in, ``(x, y)`` batches in a compact vocabulary out.
+
+    dm = TokenDataModule(stdlib_files())      # the CPython standard library's own .py source
+    dm.vocab_size                             # the distinct tokens that occur (~19k of GPT-2's 50257)
+    dm.gpt2_ids                               # [vocab_size] compact id -> GPT-2 id
+
+Why a compact vocabulary: GPT-2's table is 50257 wide, and at a narrow width the unembedding and its
+softmax are most of a training step. A corpus uses far fewer distinct tokens (the standard library:
+~19k), and every other token is never an input and only ever gets pushed down as an output. So the
+model trains on the tokens that occur, and ``lab.builtin`` widens the table back to 50257 rows
+afterwards, with rows that give every never-seen token the same negligible probability. The tokens
+that never occur cost only their rows in the table, not compute in every step.
+
+Files are joined in sorted order, each followed by ``<|endoftext|>``; every ``val_every``-th file
+(by that order) is held out for validation, so the split is the same on every machine with the same
+files. Batches come from ``lab.data``'s resumable random-window stream.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lab import tokens
+from lab.data import DataError, EvenWindows, RandomWindows, StepSampler
+
+# Directories of the standard library that hold its test suites, left out of the corpus: they are
+# half its size and much of it is data (long literal tables) rather than code.
+_TEST_DIRS = {"test", "tests", "idle_test"}
+
+
+def stdlib_files(max_files: int | None = None) -> list[Path]:
+    """The standard library's ``.py`` files (no site-packages, no test suites), sorted by relative path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    excluded = {"site-packages", "__pycache__", *_TEST_DIRS}
+    found = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in excluded]  # prune: site-packages is large
+        found += [Path(directory, name) for name in names if name.endswith(".py")]
+    files = sorted(found, key=lambda p: p.relative_to(root).as_posix())
+    return files[:max_files] if max_files is not None else files
+
+
+def encode_files(paths: list[Path]) -> list[list[int]]:
+    """GPT-2 tokens of each file (UTF-8, undecodable bytes replaced), each followed by <|endoftext|>."""
+    texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in paths]
+    return [ids + [tokens.EOT] for ids in tokens.encoding().encode_ordinary_batch(texts, num_threads=2)]
+
+
+class TokenDataModule(L.LightningDataModule):
+    """GPT-2 tokens of source files, split by file, in the compact vocabulary of the tokens that occur.
+
+    Batches are ``(x, y)`` compact ids ``[B, T]``; ``gpt2_ids[x]`` turns them back into GPT-2 ids.
+    """
+
+    def __init__(
+        self,
+        paths: list[str | Path],
+        seq_len: int = 256,
+        batch_size: int = 16,
+        val_every: int = 20,
+        val_batches: int = 4,
+        seed: int = 1,
+    ):
+        """
+        Args:
+            paths: Text files, joined in the order given.
+            seq_len: Tokens per training window (T); at most the model's block_size.
+            batch_size: Windows per batch (B).
+            val_every: Every val_every-th file (0, val_every, 2*val_every, ...) is validation.
+            val_batches: Validation batches, spread evenly over the held-out files.
+            seed: Seeds the order of the training windows (a pure function of seed and step).
+        """
+        super().__init__()
+        if seq_len < 1 or batch_size < 1 or val_batches < 1 or val_every < 2:
+            raise DataError(
+                f"seq_len, batch_size, val_batches must be >= 1 and val_every >= 2: "
+                f"{seq_len}, {batch_size}, {val_batches}, {val_every}"
+            )
+        per_file = encode_files([Path(p) for p in paths])
+        val_files = [ids for i, ids in enumerate(per_file) if i % val_every == 0]
+        train_files = [ids for i, ids in enumerate(per_file) if i % val_every != 0]
+        train = torch.tensor([t for ids in train_files for t in ids], dtype=torch.long)  # [N_train]
+        val = torch.tensor([t for ids in val_files for t in ids], dtype=torch.long)  # [N_val]
+        for split, part in (("training", train), ("validation", val)):
+            if len(part) <= seq_len:
+                raise DataError(
+                    f"the {split} split has {len(part)} tokens, fewer than one window of seq_len={seq_len} "
+                    "plus its target; use more files or a shorter seq_len"
+                )
+        self.gpt2_ids = torch.unique(torch.cat([train, val]))  # [V_seen] sorted GPT-2 ids that occur
+        compact = torch.full((tokens.VOCAB_SIZE,), -1, dtype=torch.long)  # [50257] GPT-2 id -> compact id
+        compact[self.gpt2_ids] = torch.arange(len(self.gpt2_ids))
+        self.train_ids, self.val_ids = compact[train], compact[val]  # [N] compact ids
+        self.n_files, self.n_val_files = len(per_file), len(val_files)
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.val_batches = val_batches
+        counts = torch.bincount(self.train_ids, minlength=self.vocab_size).double()  # [V]
+        p = counts[counts > 0] / counts.sum()
+        self.unigram_entropy = float(-(p * p.log()).sum())
+
+    @property
+    def vocab_size(self) -> int:
+        """The distinct tokens that occur in the files: the compact vocabulary."""
+        return len(self.gpt2_ids)
+
+    @property
+    def baselines(self) -> dict[str, float]:
+        """Reference loss (nats/token) that ``LitGPT`` logs: the best a model ignoring context can do."""
+        return {"unigram": self.unigram_entropy}
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        start = trainer.global_step * trainer.accumulate_grad_batches if trainer is not None else 0
+        windows = RandomWindows(self.train_ids, self.seq_len, self.batch_size, self.seed)
+        return DataLoader(windows, batch_size=None, sampler=StepSampler(start))
+
+    def val_dataloader(self) -> DataLoader:
+        windows = EvenWindows(self.val_ids, self.seq_len, self.batch_size, self.val_batches)
+        return DataLoader(windows, batch_size=None)

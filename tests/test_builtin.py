@@ -1,0 +1,71 @@
+"""The builtin model's pipeline (tiny): corpus, compact vocabulary, training, widening, saving, loading."""
+
+import pytest
+import torch
+
+from lab import tokens
+from lab.builtin import Recipe, create_builtin, main, widen_vocabulary
+from lab.config import GPTConfig
+from lab.model import GPT
+from lab.token_data import TokenDataModule, stdlib_files
+from lab.weights import load_model, read_metadata
+
+TINY = Recipe(
+    n_layer=2, n_head=2, n_embd=16, block_size=32, batch_size=4, max_steps=4, max_files=6, val_every=3,
+    eval_batches=2,
+)  # fmt: skip
+
+
+def test_stdlib_corpus_is_sorted_source_without_tests():
+    files = stdlib_files()
+    assert len(files) > 100
+    names = [f.as_posix() for f in files]
+    assert all(name.endswith(".py") for name in names)
+    assert not any("/test/" in name or "site-packages" in name for name in names)
+    assert stdlib_files(5) == files[:5]
+
+
+def test_token_data_compact_vocabulary_and_split():
+    dm = TokenDataModule(stdlib_files(6), seq_len=16, batch_size=2, val_every=3)
+    assert dm.n_files == 6 and dm.n_val_files == 2  # files 0 and 3
+    assert dm.vocab_size == len(dm.gpt2_ids) < tokens.VOCAB_SIZE
+    assert tokens.EOT in dm.gpt2_ids.tolist()  # every file ends with <|endoftext|>
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == y.shape == (2, 16)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    text = tokens.decode(dm.gpt2_ids[dm.train_ids[:200]].tolist())  # compact ids map back to source
+    assert "import" in text or "def " in text or '"""' in text
+
+
+def test_widened_vocabulary_keeps_seen_logits_and_pins_the_rest():
+    torch.manual_seed(0)
+    compact = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=40, block_size=16)).eval()
+    with torch.no_grad():  # a trained-looking final norm: the trick needs beta != 0
+        compact.ln_f.weight.uniform_(0.5, 1.5)
+        compact.ln_f.bias.normal_(0.0, 0.5)
+    gpt2_ids = torch.randperm(tokens.VOCAB_SIZE)[:40].sort().values
+    wide = widen_vocabulary(compact, gpt2_ids, unseen_logit=-25.0)
+    assert wide.config.vocab_size == tokens.VOCAB_SIZE
+    idx = torch.randint(0, 40, (2, 9))
+    with torch.no_grad():
+        narrow_logits = compact(idx)  # [B, T, 40]
+        wide_logits = wide(gpt2_ids[idx])  # [B, T, 50257]
+    torch.testing.assert_close(wide_logits[..., gpt2_ids], narrow_logits)
+    unseen = torch.ones(tokens.VOCAB_SIZE, dtype=torch.bool)
+    unseen[gpt2_ids] = False
+    torch.testing.assert_close(wide_logits[..., unseen], torch.full_like(wide_logits[..., unseen], -25.0))
+
+
+def test_tiny_builtin_pipeline(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path))
+    report = create_builtin(TINY)
+    assert report["steps"] == 4 and len(report["val_loss_skip"]) == 2
+    assert report["unseen_token_mass"] < 1e-4
+    model = load_model("builtin")
+    assert model.config.vocab_size == tokens.VOCAB_SIZE and model.config.n_layer == 2
+    assert read_metadata(tmp_path / "builtin")["val_loss"] == pytest.approx(report["val_loss"])
+    assert (tmp_path / "builtin" / "logs").is_dir()
+    assert 0 < report["val_loss"] < 11  # below a uniform guess over 50257 tokens (10.8 nats)
+    # a second `blocklab builtin` does not train again
+    assert main(["builtin"]) == 0
+    assert "exists (train again with --force)" in capsys.readouterr().out
