@@ -97,6 +97,15 @@ def blocklab_version() -> str:
         return metadata.version("blocklab")
 
 
+class _SnapshotDict(dict):
+    """LitServe's response buffer, whose ``items()`` is a copy: LitServe's worker monitor iterates it
+    in its own thread while requests finish (and leave it) in the event loop's; a live view there
+    raises "dictionary changed size during iteration", which kills the monitor for good."""
+
+    def items(self):
+        return list(super().items())
+
+
 class BlockLabServer(ls.LitServer):
     """A LitServer whose model routes go through ``serve.gateway`` (see its docstring for why)."""
 
@@ -119,6 +128,7 @@ class BlockLabServer(ls.LitServer):
                 "blocklab_version": blocklab_version(),
             },
         )
+        self.response_buffer = _SnapshotDict()
         self.monitor_internal = 0.5  # seconds between checks for dead workers (LitServe's default: 2)
         self.app.add_exception_handler(RequestValidationError, gateway.validation_error)
         self.app.add_exception_handler(StarletteHTTPException, gateway.http_error)
@@ -282,4 +292,7 @@ def main(argv: list[str], model_factory: ModelFactory | None = None) -> int:
         serve(config, model_factory)
     except KeyboardInterrupt:
         logger.info("stopped")
+    except RuntimeError as error:  # a worker could not load the model; its traceback is logged above
+        logger.error("%s", error)
+        return 1
     return 0

@@ -208,6 +208,7 @@ class _Scoring(_Group):
             progress = self.progress[position]
             progress.prefill_s = prefill_s
             progress.scored(losses[row])
+            progress.blocks_per_token = [len(blocks_run)] * len(losses[row])
             events.append((position, progress.done("scored", blocks_run)))
         self.members = []
         return events

@@ -148,6 +148,7 @@ def test_skip_and_exit_change_the_loss_and_the_blocks_run(client):
     losses = {spec: out["score"]["mean_loss"] for spec, out in runs.items()}
     assert losses["skip=1,2"] != losses["all"] and losses["exit=2"] != losses["all"]
     assert runs["exit=2"]["mean_blocks_per_token"] == 2.0
+    assert runs["exit=2"]["blocks_per_token"] == [2] * (runs["exit=2"]["prompt_tokens"] - 1)
     structured = predict(client, prompt=PROMPT, max_new_tokens=0, skip=[1, 2])
     assert structured["score"] == runs["skip=1,2"]["score"]
 
