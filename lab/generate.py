@@ -130,7 +130,8 @@ class Decoder:
             )
         # adaptive exit: the prompt runs every block of the set (keys and values exact for all depths)
         block_set = self.fixed or BlockSet(skip=self.block_set.skip, overwrite=self.block_set.overwrite)
-        return self.model(self._as_idx(tokens), cache=self.cache, block_set=block_set)[0, -1]  # [V]
+        x = self.model.residual_stream(self._as_idx(tokens), self.cache, block_set)  # [1, T, D]
+        return self.model.unembed(x[:, -1:])[0, -1]  # [V]: only the last position is read out
 
     @torch.inference_mode()
     def step(self, token: int) -> tuple[torch.Tensor, list[int]]:

@@ -250,13 +250,16 @@ class GPT(nn.Module):
         """Read the stream out: final norm, then the tied token table. [B, T, D] -> [B, T, V]."""
         return F.linear(self.ln_f(x), self.wte.weight)  # [B, T, V]
 
-    def forward(
+    def residual_stream(
         self,
         idx: torch.Tensor,
         cache: KVCache | None = None,
         block_set: BlockSet | None = None,
     ) -> torch.Tensor:
-        """Logits [B, T, V] for tokens idx [B, T], continuing ``cache`` when one is given."""
+        """The stream [B, T, D] leaving the set's blocks for tokens idx [B, T]: forward without the read-out.
+
+        Callers that need only some positions' logits (the last one, when decoding) unembed just those.
+        """
         block_set = block_set or BlockSet()
         if block_set.is_adaptive:
             raise ValueError("adaptive exit decides per token: use lab.generate, not GPT.forward")
@@ -269,4 +272,13 @@ class GPT(nn.Module):
             x = self.blocks[i](x, layer_cache, pos, overwrite=i in block_set.overwrite)
         if cache is not None:
             cache.length = pos + idx.size(1)
-        return self.unembed(x)  # [B, T, V]
+        return x  # [B, T, D]
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        cache: KVCache | None = None,
+        block_set: BlockSet | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] for tokens idx [B, T], continuing ``cache`` when one is given."""
+        return self.unembed(self.residual_stream(idx, cache, block_set))  # [B, T, V]

@@ -176,3 +176,26 @@ def test_unreachable_hub_id_says_so(monkeypatch):
         load_model("openai-community/gpt2-nonexistent")
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_model("./no/such/dir")
+
+
+def test_lightning_checkpoint(tmp_path):
+    """A checkpoint of the training lab (lab.train.LitGPT) loads as the GPT it trained."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lab.train import LitGPT
+
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=50, block_size=16)
+    lit = LitGPT(cfg)
+    x = torch.randint(0, 50, (4, 16))
+    batches = DataLoader([(x, torch.roll(x, -1, dims=1))], batch_size=None)
+    trainer = L.Trainer(
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    trainer.fit(lit, train_dataloaders=batches)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    loaded = load_model(str(tmp_path / "last.ckpt"))
+    assert loaded.config == cfg
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), lit.model.eval()(x), atol=0, rtol=0)
