@@ -20,6 +20,8 @@ from lab.blocks import BlockSet
 MAX_PROMPT_CHARS = 200_000
 MAX_NEW_TOKENS = 8192
 MAX_BLOCK_INDICES = 1024
+MIN_TEMPERATURE = 1e-6
+"""Below it (and above 0) a float32 logit divided by the temperature overflows: NaN probabilities."""
 BLOCK_FIELDS = ("skip", "keep", "overwrite", "exit_at", "adaptive", "adaptive_min_blocks")
 
 
@@ -71,6 +73,13 @@ class PredictRequest(BaseModel):
                 f"not valid Unicode text at character {error.start} (a lone surrogate?)"
             ) from None
         return prompt
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_vanishing(cls, temperature: float) -> float:
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature:g}")
+        return temperature
 
     @model_validator(mode="after")
     def _one_way_to_name_blocks(self) -> PredictRequest:

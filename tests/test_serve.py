@@ -69,6 +69,7 @@ BAD_BODIES = [
     ('{"prompt": "a", "max_new_tokens": 128}', "max_new_tokens"),  # prompt + new > context
     ('{"prompt": "a", "temperature": NaN}', "temperature"),
     ('{"prompt": "a", "temperature": -1}', "temperature"),
+    ('{"prompt": "a", "temperature": 1e-60}', "temperature"),  # would overflow to NaN probabilities
     ('{"prompt": "a", "stream": 1}', "stream"),
     ('{"prompt": "a", "skip": [4]}', "skip"),
     ('{"prompt": "a", "skip": [1, 1]}', "skip"),
