@@ -174,9 +174,7 @@ class ServerProcess:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {self.process.returncode} while starting:\n{self.log()}"
-                )
+                self._fail(f"server exited with {self.process.returncode} while starting")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code in (200, 401):
                     return self
@@ -184,7 +182,12 @@ class ServerProcess:
                 pass
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"server not ready after {self.startup_timeout} s:\n{self.log()}")
+        self._fail(f"server not ready after {self.startup_timeout} s")
+
+    def _fail(self, reason: str) -> None:
+        log = self.log()
+        self.log_path.unlink()
+        raise RuntimeError(f"{reason}:\n{log}")
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, then wait for the exit; SIGKILL (and an AssertionError) if it does not come."""

@@ -116,8 +116,7 @@ def test_sigterm_drains_requests_in_flight_and_leaves_no_process(tmp_path):
     torch.manual_seed(0)
     config = GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=50257, block_size=1024)
     save_model(GPT(config), tmp_path / "model")
-    server = ServerProcess(["--model", str(tmp_path / "model"), "--threads", "1"]).start()
-    try:
+    with ServerProcess(["--model", str(tmp_path / "model"), "--threads", "1"]) as server:
         processes = descendants(server.pid) | {server.pid}
         assert len(processes) >= 3  # the server, LitServe's manager, a worker (and the resource tracker)
         with ThreadPoolExecutor(3) as pool:
@@ -127,13 +126,20 @@ def test_sigterm_drains_requests_in_flight_and_leaves_no_process(tmp_path):
             assert not any(future.done() for future in running), "requests finished before SIGTERM"
             assert server.stop(timeout=120) == 0
             outs = [future.result() for future in running]
-        assert [out.status_code for out in outs] == [200, 200, 200]
-        assert all(len(out.json()["tokens"]) == 900 for out in outs)
-        time.sleep(0.5)
-        assert [pid for pid in processes if is_alive(pid)] == []
-        with socket.socket() as sock:  # the port is free again (for a server, which sets SO_REUSEADDR)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", server.port))
-            sock.listen()
-    finally:
-        server.stop()
+    assert [out.status_code for out in outs] == [200, 200, 200]
+    assert all(len(out.json()["tokens"]) == 900 for out in outs)
+    time.sleep(0.5)
+    assert [pid for pid in processes if is_alive(pid)] == []
+    with socket.socket() as sock:  # the port is free again (for a server, which sets SO_REUSEADDR)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", server.port))
+        sock.listen()
+
+
+def test_sigint_stops_an_idle_server_and_leaves_no_process():
+    with ServerProcess(["--threads", "1"], model_factory=TinyModel()) as server:
+        processes = descendants(server.pid) | {server.pid}
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(timeout=60) == 0
+    time.sleep(0.5)
+    assert [pid for pid in processes if is_alive(pid)] == []

@@ -1,8 +1,11 @@
 """``blocklab traffic``: block set defaults, prompt sources, statistics, outputs, and one real run."""
 
+import asyncio
 import json
 
+import httpx
 import pytest
+from tqdm import tqdm
 
 from lab import tokens
 from serve import traffic
@@ -117,3 +120,42 @@ def test_traffic_against_a_real_server(tmp_path, capsys):
     assert by_set["skip=1,2"]["loss_increase"] != 0.0
     assert by_set["all"]["ttft_p50_ms"] <= by_set["all"]["latency_p50_ms"]
     assert (tmp_path / "frontier.png").exists() and (tmp_path / "traffic.csv").exists()
+
+
+def _fake_server(request: httpx.Request) -> httpx.Response:
+    """/predict as NDJSON: two tokens then the summary; a prompt saying 'fail' gets a 500."""
+    body = json.loads(request.content)
+    if "fail" in body["prompt"]:
+        return httpx.Response(500, json={"detail": "RuntimeError: boom"})
+    done = {"tokens": [1, 2], "score": {"mean_loss": 2.5}, "mean_blocks_per_token": 3.0}
+    lines = [
+        {"event": "token", "text": "a"},
+        {"event": "token", "text": "b"},
+        {"event": "done", "response": done},
+    ]
+    return httpx.Response(200, content="".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_run_block_set_counts_requests_errors_and_honours_the_duration():
+    async def run(requests, duration_s):
+        transport = httpx.MockTransport(_fake_server)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            with tqdm(disable=True) as progress:
+                return await traffic.run_block_set(
+                    client,
+                    "skip=1",
+                    ["ok", "please fail"],
+                    max_new_tokens=2,
+                    concurrency=2,
+                    requests=requests,
+                    duration_s=duration_s,
+                    progress=progress,
+                )
+
+    samples, _ = asyncio.run(run(requests=6, duration_s=None))
+    assert len(samples) == 6 and sum(sample.error is not None for sample in samples) == 3
+    ok = next(sample for sample in samples if sample.error is None)
+    assert ok.loss == 2.5 and ok.new_tokens == 2 and 0 <= ok.ttft_s <= ok.latency_s
+    assert "500" in next(sample.error for sample in samples if sample.error)
+    timed, wall_s = asyncio.run(run(requests=None, duration_s=0.2))
+    assert len(timed) > 6 and 0.2 <= wall_s < 2.0
