@@ -102,6 +102,12 @@ def _die_with_parent() -> None:
 
 
 class BlockLabAPI(ls.LitAPI):
+    """The served model behind LitServe: built by ``model_factory`` in each worker, one engine each.
+
+    ``stream=True`` for every request: LitServe then gives each request a queue of messages, which
+    the routes of ``serve.gateway`` read, whether they stream to their client or not.
+    """
+
     def __init__(
         self,
         model_factory: ModelFactory,
@@ -116,7 +122,7 @@ class BlockLabAPI(ls.LitAPI):
             max_batch_size=max_batch_size,
             batch_timeout=batch_timeout,
             api_path=API_PATH,
-            stream=True,  # LitServe then keeps a queue of messages per request, which every route reads
+            stream=True,
             loop=BatchLoop(),
         )
         self.model_factory = model_factory

@@ -95,10 +95,6 @@ class Gateway:
         self.free_slots = deque(range(max_in_flight))
         self.tickets = itertools.count(1)
 
-    @property
-    def in_flight(self) -> int:
-        return self.max_in_flight - len(self.free_slots)
-
     def admit(self, request: PredictRequest) -> Submission:
         """Check, admit and queue ``request``; HTTPException 422, 429 or 503 when it cannot be."""
         limits = self.api.shared.limits()
