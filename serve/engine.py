@@ -11,7 +11,9 @@ A batch of requests is split into groups that can run as one tensor:
 - adaptive exit decides per token and per position, so each such request runs alone, through
   ``lab.generate``.
 
-Groups advance in lockstep, one step each per ``Engine.run`` tick, so a long generation does not hold
+Prefills run ``GPT.residual_stream`` and unembed only the positions needed (the last one; every one
+for rows that score): ``GPT.forward`` would make a [B, T, V] tensor, 1.6 GB for 8 GPT-2 prompts of
+1024 tokens. Groups advance in lockstep, one step each per ``Engine.run`` tick, so a long generation does not hold
 back another group's first token. Nothing here knows about HTTP or LitServe: ``run`` yields, per tick,
 the events (plain dicts, see ``serve.schema``) of the jobs that have something to say.
 """
@@ -70,25 +72,6 @@ def pick_token(
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
-
-
-def residual_stream(
-    model: GPT, idx: torch.Tensor, block_set: BlockSet, cache: KVCache | None = None
-) -> torch.Tensor:
-    """``GPT.forward`` without the unembedding: the stream [B, T, D] after the set's blocks.
-
-    The server unembeds only the positions it needs: the last one to pick a token, all of them only
-    for rows that score. ``GPT.forward`` unembeds every position, a [B, T, V] tensor: 1.6 GB for 8
-    GPT-2 prompts of 1024 tokens. The parity tests against ``lab.generate`` hold the two together.
-    """
-    pos = 0 if cache is None else cache.length
-    x = model.embed_tokens(idx, pos)  # [B, T, D]
-    for i in block_set.blocks_to_run(len(model.blocks)):
-        layer_cache = None if cache is None else cache.layer(i)
-        x = model.blocks[i](x, layer_cache, pos, overwrite=i in block_set.overwrite)  # [B, T, D]
-    if cache is not None:
-        cache.length = pos + idx.size(1)
-    return x
 
 
 def _losses(model: GPT, stream: torch.Tensor, idx: torch.Tensor, length: int) -> torch.Tensor:
@@ -199,7 +182,7 @@ class _Scoring(_Group):
         ]
         idx = torch.tensor(padded, device=self.model.wte.weight.device)  # [B, T]
         start = time.monotonic()
-        stream = residual_stream(self.model, idx[:, :-1], block_set)  # [B, T-1, D]
+        stream = self.model.residual_stream(idx[:, :-1], block_set=block_set)  # [B, T-1, D]
         losses = [_losses(self.model, stream[row], idx[row], length) for row, length in enumerate(lengths)]
         prefill_s = time.monotonic() - start
         blocks_run = block_set.blocks_to_run(self.model.config.n_layer)
@@ -274,7 +257,7 @@ class _Generation(_Group):
             cfg, batch_size=len(prompts), max_len=max_len, device=weight.device, dtype=weight.dtype
         )
         idx = torch.tensor(prompts, device=weight.device)  # [B, T]
-        stream = residual_stream(self.model, idx, self.block_set, self.cache)  # [B, T, D]
+        stream = self.model.residual_stream(idx, self.cache, self.block_set)  # [B, T, D]
         for row, (position, job) in enumerate(self.members):
             if job.score:
                 self.progress[position].scored(_losses(self.model, stream[row], idx[row], idx.size(1)))
