@@ -13,9 +13,9 @@ A batch of requests is split into groups that can run as one tensor:
 
 Prefills run ``GPT.residual_stream`` and unembed only the positions needed (the last one; every one
 for rows that score): ``GPT.forward`` would make a [B, T, V] tensor, 1.6 GB for 8 GPT-2 prompts of
-1024 tokens. Groups advance in lockstep, one step each per ``Engine.run`` tick, so a long generation does not hold
-back another group's first token. Nothing here knows about HTTP or LitServe: ``run`` yields, per tick,
-the events (plain dicts, see ``serve.schema``) of the jobs that have something to say.
+1024 tokens. Groups advance in lockstep, one step each per ``Engine.run`` tick, so a long generation
+does not hold back another group's first token. Nothing here knows about HTTP or LitServe: ``run``
+yields, per tick, the events (plain dicts, see ``serve.schema``) of the jobs that have news.
 """
 
 from __future__ import annotations
