@@ -35,8 +35,10 @@ def test_timing_json_structure(capsys):
     assert [(r["T"], r["attention"]) for r in report["rows"]] == [
         (8, "eager"), (8, "sdpa"), (16, "eager"), (16, "sdpa")
     ]  # fmt: skip
+    d = 16
     for r in report["rows"]:
         assert r["share"] == r["attention_ms"] / r["block_ms"]
+        assert r["flop_share"] == (8 * d * d + 4 * r["T"] * d) / (24 * d * d + 4 * r["T"] * d)
 
 
 def test_depth_heads_and_structure(capsys, tmp_path):

@@ -3,12 +3,14 @@
     blocklab timing                         # GPT-2 small's Block, batch 1, T = 256 1024 4096
     blocklab timing --T 512 2048 --repeats 5
 
-Per (T, attention) pair a random Block of the config runs on a random [1, T, D] stream under
-inference mode. Two calls are timed, interleaved, each as the median of ``--repeats`` runs after one
-warm-up: the whole Block, and its attention stage ``attn(ln_1(x))`` (the q/k/v and output projections
-included). The share is attention / Block; the rest (feed-forward, ln_2, the residual adds) is the
-difference. Times depend on the machine and its load; the shares and the eager/sdpa ratios measured in
-one run are what carry.
+Per T, a random Block of the config (the same weights for eager and sdpa) runs on a random [1, T, D]
+stream under inference mode. Per attention mode two calls are timed, each as the median of
+``--repeats`` runs after one warm-up, all interleaved: the whole Block, and its attention stage
+``attn(ln_1(x))`` (the q/k/v and output projections included). The share is attention / Block; the
+rest (feed-forward, ln_2, the residual adds) is the difference. Beside it, the stage's share of the
+Block's matmul FLOPs. Times depend on the machine and its load; the shares and the eager/sdpa ratios
+measured in one run are what carry. On a CPU shared with other jobs, ``--threads 1`` is steadier: two
+threads that must meet at every op wait for each other whenever one is descheduled.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import replace
 import torch
 
 from lab.analysis import common
+from lab.analysis.designs import Design
 from lab.model import Block
 
 
@@ -29,27 +32,50 @@ def _seconds(fn, x: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def time_block(block: Block, T: int, repeats: int) -> dict[str, float]:
-    """Median ms of the Block and of its attention stage on a [1, T, D] stream."""
-    D = block.ln_1.normalized_shape[0]
+def time_blocks(blocks: dict[str, Block], T: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Per attention mode, the median ms of the Block and of its attention stage on one [1, T, D] stream.
+
+    All calls are interleaved within each repeat (mode by mode, stage by stage), so a burst of load
+    from elsewhere hits every measurement alike instead of one mode's whole series.
+    """
+    D = next(iter(blocks.values())).ln_1.normalized_shape[0]
     x = torch.randn(1, T, D)  # [1, T, D]
-    stages = {
-        "block": block,
-        "attention": lambda x: block.attn(block.ln_1(x)),
+    calls = {
+        (mode, stage): fn
+        for mode, block in blocks.items()
+        for stage, fn in (("block", block), ("attention", lambda x, b=block: b.attn(b.ln_1(x))))
     }
-    times: dict[str, list[float]] = {name: [] for name in stages}
-    for fn in stages.values():  # warm-up: allocator and kernel selection
+    for fn in calls.values():  # warm-up: allocator and kernel selection
         fn(x)
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
     for _ in range(repeats):
-        for name, fn in stages.items():  # interleaved, so a burst of load hits both alike
-            times[name].append(_seconds(fn, x))
-    return {f"{name}_ms": common.median_ms(t) for name, t in times.items()}
+        for key, fn in calls.items():
+            times[key].append(_seconds(fn, x))
+    return {mode: {f"{stage}_ms": common.median_ms(times[(mode, stage)]) for stage in ("block", "attention")}
+            for mode in blocks}  # fmt: skip
+
+
+def flop_share(design: Design, T: int) -> float:
+    """The attention stage's share of a Block's matmul FLOPs at T positions (full T x T counted):
+    (2·attention weights + 4·T·d) / (2·all block weights + 4·T·d)."""
+    attention = 2 * design.value(design.attention_weights())
+    block = attention + 2 * design.value(design.feed_forward_weights())
+    scores = 4 * T * design.d_model
+    return (attention + scores) / (block + scores)
 
 
 def render(report: dict) -> str:
-    columns = ["T", "attention", "Block ms", "attention ms", "rest ms", "attention share"]
+    columns = ["T", "attention", "Block ms", "attention ms", "rest ms", "attention share", "FLOP share"]
     lines = [
-        [r["T"], r["attention"], r["block_ms"], r["attention_ms"], r["rest_ms"], f"{100 * r['share']:.1f}%"]
+        [
+            r["T"],
+            r["attention"],
+            r["block_ms"],
+            r["attention_ms"],
+            r["rest_ms"],
+            f"{100 * r['share']:.1f}%",
+            f"{100 * r['flop_share']:.1f}%",
+        ]  # fmt: skip
         for r in report["rows"]
     ]
     out = [
@@ -57,7 +83,8 @@ def render(report: dict) -> str:
         f"median of {report['repeats']} repeats; load average {report['load_average'][0]} at start, "
         f"{report['load_average'][1]} at end",
         "attention stage = attn(ln_1(x)) with its projections; rest = Block - attention (feed-forward, "
-        "ln_2, the adds); share = attention ms / Block ms",
+        "ln_2, the adds); share = attention ms / Block ms; FLOP share = the stage's share of the Block's "
+        "matmul FLOPs, (8d^2 + 4Td) / (24d^2 + 4Td)",
         "",
         common.table(columns, lines),
     ]
@@ -85,17 +112,26 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(args.threads)
     cfg = common.config_from_args(args)
+    design = Design.from_config(cfg, common.config_name(args))
     load_before = common.load_average()
     rows = []
     for T in args.T:
+        blocks = {}
         for attention in args.modes:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                block = Block(replace(cfg, attention=attention, dropout=0.0)).eval()
-            ms = time_block(block, T, args.repeats)
-            rest = ms["block_ms"] - ms["attention_ms"]
-            share = ms["attention_ms"] / ms["block_ms"]
-            rows.append({"T": T, "attention": attention, **ms, "rest_ms": rest, "share": share})
+                torch.manual_seed(0)  # the same weights for every mode
+                blocks[attention] = Block(replace(cfg, attention=attention, dropout=0.0)).eval()
+        for attention, ms in time_blocks(blocks, T, args.repeats).items():
+            rows.append(
+                {
+                    "T": T,
+                    "attention": attention,
+                    **ms,
+                    "rest_ms": ms["block_ms"] - ms["attention_ms"],
+                    "share": ms["attention_ms"] / ms["block_ms"],
+                    "flop_share": flop_share(design, T),
+                }
+            )
     report = {
         "config": common.config_name(args),
         "threads": args.threads,
