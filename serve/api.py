@@ -26,12 +26,11 @@ from queue import Empty
 
 import litserve as ls
 import torch
-from fastapi import HTTPException, Request
 from litserve.loops.base import LitLoop
 from litserve.utils import LitAPIStatus, LoopResponseType, PickleableHTTPException
 
 from lab.model import GPT
-from serve.engine import Engine, Job, error_event
+from serve.engine import COUNTERS, Engine, Job, Tally, error_event
 from serve.schema import ModelLimits, PredictRequest, RequestError, resolve
 
 logger = logging.getLogger(__name__)
@@ -60,13 +59,34 @@ class SharedState:
 
     ``model``: the served model's n_layer, block_size, vocab_size and parameter count, written by the
     first worker to finish ``setup``. ``cancelled``: one cell per in-flight slot; the HTTP side writes
-    a request's ticket there when its client is gone, and the worker stops that job.
+    a request's ticket there when its client is gone, and the worker stops that job. ``counters``:
+    a row of ``engine.COUNTERS`` per worker, written only by that worker (no lock, which a worker
+    killed while holding it would leave locked); a replaced worker continues its predecessor's row.
     """
+
+    MAX_WORKERS = 64
 
     def __init__(self, max_in_flight: int):
         context = mp.get_context("spawn")
         self.model = context.RawArray(ctypes.c_int64, 4)
         self.cancelled = context.RawArray(ctypes.c_int64, max_in_flight)
+        self.counters = context.RawArray(ctypes.c_int64, self.MAX_WORKERS * len(COUNTERS))
+
+    def tally(self, worker_id: int) -> Tally:
+        """The engine's ``Tally`` for worker ``worker_id``: adds to that worker's row of counters."""
+        row = worker_id * len(COUNTERS)
+        columns = {name: row + column for column, name in enumerate(COUNTERS)}
+
+        def add(name: str, count: int) -> None:
+            self.counters[columns[name]] += count
+
+        return add
+
+    def totals(self) -> dict[str, int]:
+        """Each counter summed over the workers."""
+        width = len(COUNTERS)
+        values = self.counters[:]
+        return {name: sum(values[column::width]) for column, name in enumerate(COUNTERS)}
 
     def publish(self, model: GPT) -> None:
         cfg = model.config
@@ -115,7 +135,6 @@ class BlockLabAPI(ls.LitAPI):
         *,
         max_batch_size: int = 8,
         batch_timeout: float = 0.0,
-        api_key: str | None = None,
         threads: int | None = None,
     ):
         super().__init__(
@@ -127,7 +146,6 @@ class BlockLabAPI(ls.LitAPI):
         )
         self.model_factory = model_factory
         self.shared = shared
-        self.api_key = api_key
         self.threads = threads
 
     def setup(self, device: str) -> None:
@@ -147,18 +165,6 @@ class BlockLabAPI(ls.LitAPI):
         self.engine = Engine(self.model)
         self.shared.publish(self.model)
 
-    def authorize(self, request: Request) -> None:
-        """With an API key configured, every route but /docs and /openapi.json needs it, given as
-        ``X-API-Key: KEY`` or ``Authorization: Bearer KEY`` (what the OpenAI clients send)."""
-        if self.api_key is None:
-            return
-        given = request.headers.get("x-api-key")
-        if given is None:
-            scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-            given = credentials if scheme.lower() == "bearer" else None
-        if given is None or not secrets.compare_digest(given.encode(), self.api_key.encode()):
-            raise HTTPException(401, "missing or wrong API key (X-API-Key or Authorization: Bearer)")
-
     def decode_request(self, request: PredictRequest) -> Job | Rejection:
         """A job for the engine. Never raises for one bad request: that would fail its whole batch."""
         try:
@@ -167,9 +173,9 @@ class BlockLabAPI(ls.LitAPI):
             return Rejection(422, str(error))
         admission = request.admission
         if admission is None:  # called in-process (benchmarks), not through the server
-            submitted_at, cancelled = time.monotonic(), lambda: False
+            submitted_at, deadline, cancelled = time.monotonic(), float("inf"), lambda: False
         else:
-            submitted_at = admission.submitted_at
+            submitted_at, deadline = admission.submitted_at, admission.deadline
             cancelled = lambda: self.shared.cancelled[admission.slot] == admission.ticket
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         return Job(
@@ -184,6 +190,7 @@ class BlockLabAPI(ls.LitAPI):
             stream=request.stream,
             submitted_at=submitted_at,
             cancelled=cancelled,
+            deadline=deadline,
         )
 
     def predict(self, jobs: list[Job | Rejection]) -> Iterator[list[tuple[int, dict]]]:
@@ -213,6 +220,7 @@ class BatchLoop(LitLoop):
         workers_setup_status,
         callback_runner,
     ) -> None:
+        lit_api.engine.tally = lit_api.shared.tally(worker_id)
         while True:
             batch = self._take_batch(lit_api, request_queue, transport)
             if batch:

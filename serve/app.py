@@ -6,7 +6,8 @@
 
 Routes: ``POST /predict`` (``serve.schema``), ``POST /v1/completions`` and ``/v1/chat/completions``
 and ``GET /v1/models`` (OpenAI-compatible, ``serve.openai_compat``), LitServe's ``GET /health`` and
-``GET /info``, and ``/docs`` + ``/openapi.json``.
+``GET /info``, ``GET /stats`` (counters and memory), and ``/docs`` + ``/openapi.json``. With an API
+key, every route but ``gateway.PUBLIC_PATHS`` (health and the schema) needs it.
 
 How it runs: LitServe's parts (request queue, response buffer, inference workers, worker monitor
 with ``restart_workers``) with uvicorn in the main thread, as LitServe's ``api_server_worker_type=
@@ -30,9 +31,10 @@ from pathlib import Path
 
 import litserve as ls
 import uvicorn
-from fastapi import Depends, Request
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from litserve.server import no_auth
 from litserve.utils import WorkerSetupStatus
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -53,7 +55,7 @@ class ServeConfig:
     """Address to bind; loopback unless you mean otherwise."""
     port: int = 8000
     api_key: str | None = None
-    """Require this key (X-API-Key or Authorization: Bearer) on every route but /docs and /openapi.json."""
+    """Require this key (X-API-Key or Authorization: Bearer) on every route but /health and the docs."""
     dtype: str = "float32"
     """float32 | bfloat16 | float16 weights."""
     accelerator: str = "auto"
@@ -73,6 +75,9 @@ class ServeConfig:
     """Most requests admitted at once (queued or running); past it, 429 with Retry-After."""
     queue_timeout: float = 30.0
     """Seconds a request may wait for a worker before it gets 504."""
+    request_timeout: float = 300.0
+    """Seconds a request may take in all, queue included; past it the worker stops it at its next
+    step and it gets 504 (an error event if it streams)."""
     max_payload_bytes: int = 1_000_000
     """Largest request body; larger gets 413."""
     drain_timeout: float = 30.0
@@ -106,6 +111,28 @@ class _SnapshotDict(dict):
         return list(super().items())
 
 
+ERROR_RESPONSES = {
+    400: {"description": "The body is not parseable (not UTF-8, or JSON nested too deep)"},
+    401: {"description": "Missing or wrong API key"},
+    413: {"description": "Body over --max-payload-bytes"},
+    422: {"description": "Invalid request, naming the field"},
+    429: {"description": "--max-in-flight requests in flight; retry after Retry-After seconds"},
+    500: {"description": "The request's processing raised; the message says what"},
+    503: {"description": "The model is loading, or the worker running the request died"},
+    504: {"description": "Queue timeout, or --request-timeout reached"},
+}
+"""What the model routes answer besides 200, for the OpenAPI schema."""
+
+
+def _rss_bytes(pid: int) -> int | None:
+    """Resident memory of a process (Linux /proc); None where it cannot be read."""
+    try:
+        resident_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
 class BlockLabServer(ls.LitServer):
     """A LitServer whose model routes go through ``serve.gateway`` (see its docstring for why)."""
 
@@ -113,7 +140,11 @@ class BlockLabServer(ls.LitServer):
         self.config = config
         # LitServer.__init__ registers the routes, which need the gateway.
         self.gateway = gateway.Gateway(
-            self, api, max_in_flight=config.max_in_flight, queue_timeout=config.queue_timeout
+            self,
+            api,
+            max_in_flight=config.max_in_flight,
+            queue_timeout=config.queue_timeout,
+            request_timeout=config.request_timeout,
         )
         super().__init__(
             api,
@@ -128,15 +159,33 @@ class BlockLabServer(ls.LitServer):
                 "blocklab_version": blocklab_version(),
             },
         )
+        workers = len(self._inference_workers_config_for_api(api.api_path))
+        if workers > SharedState.MAX_WORKERS:
+            raise ValueError(f"{workers} workers: at most {SharedState.MAX_WORKERS} are supported")
         self.response_buffer = _SnapshotDict()
         self.monitor_internal = 0.5  # seconds between checks for dead workers (LitServe's default: 2)
         self.app.add_exception_handler(RequestValidationError, gateway.validation_error)
         self.app.add_exception_handler(StarletteHTTPException, gateway.http_error)
+        self.app.add_api_route("/stats", self._stats, methods=["GET"], summary="Counters and memory")
+        if config.api_key is not None:  # outermost: before routing, the size limit and the body
+            self.app.add_middleware(gateway.ApiKeyMiddleware, api_key=config.api_key)
+
+    def setup_auth(self, lit_api: BlockLabAPI | None = None):
+        """No per-route check: ``gateway.ApiKeyMiddleware`` guards every route (LitServe would
+        otherwise add its own, X-API-Key only, when $LIT_SERVER_API_KEY is set)."""
+        return no_auth
+
+    async def _stats(self) -> dict:
+        """Requests in flight and admitted, the workers' counters, and resident memory in bytes."""
+        workers = [worker.pid for worker in self.inference_workers]
+        return {
+            **self.gateway.stats(),
+            "rss_bytes": {"server": _rss_bytes(os.getpid()), "workers": [_rss_bytes(pid) for pid in workers]},
+        }
 
     def _register_api_endpoints(self, lit_api: BlockLabAPI, request_type, response_type) -> None:
         """Our routes instead of LitServe's handler; ``request_type`` is decode_request's annotation."""
         admitted = self.gateway
-        auth = [Depends(self.setup_auth(lit_api))]
 
         async def predict(request: request_type, client: Request) -> Response:
             return await gateway.predict(admitted, request, client)
@@ -145,14 +194,14 @@ class BlockLabServer(ls.LitServer):
             lit_api.api_path,
             predict,
             methods=["POST"],
-            dependencies=auth,
             response_model=None,
             responses={
-                200: {"model": PredictResponse, "description": "The summary (NDJSON events if stream)"}
+                200: {"model": PredictResponse, "description": "The summary (NDJSON events if stream)"},
+                **ERROR_RESPONSES,
             },
             summary="Generate and/or score under a block set",
         )
-        openai_compat.register(self.app, admitted, model_name=self.config.model, dependencies=auth)
+        openai_compat.register(self.app, admitted, model_name=self.config.model, responses=ERROR_RESPONSES)
 
 
 def build_server(config: ServeConfig, model_factory: ModelFactory | None = None) -> BlockLabServer:
@@ -163,7 +212,6 @@ def build_server(config: ServeConfig, model_factory: ModelFactory | None = None)
         shared,
         max_batch_size=config.max_batch_size,
         batch_timeout=config.batch_timeout,
-        api_key=config.api_key,
         threads=config.threads or max(1, ((os.cpu_count() or 1) - 1) // config.workers),
     )
     return BlockLabServer(api, config)
@@ -250,7 +298,7 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--api-key",
         default=os.environ.get("LIT_SERVER_API_KEY"),
-        help="require this key on every route but /docs and /openapi.json (default: $LIT_SERVER_API_KEY)",
+        help="require this key on every route but /health and the docs (default: $LIT_SERVER_API_KEY)",
     )
     add("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
     add("--accelerator", choices=["auto", "cpu", "cuda", "mps"], default=d.accelerator)
@@ -270,6 +318,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("--max-in-flight", type=int, default=d.max_in_flight, help="most requests admitted at once; then 429")
     add("--queue-timeout", type=float, default=d.queue_timeout, help="seconds a request may wait; then 504")
+    add(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout,
+        help="seconds a request may take in all; then it is stopped at its next step with 504",
+    )
     add("--max-payload-bytes", type=int, default=d.max_payload_bytes, help="largest request body; then 413")
     add(
         "--drain-timeout",
@@ -281,12 +335,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return host == "localhost"
+
+
 def main(argv: list[str], model_factory: ModelFactory | None = None) -> int:
-    config = ServeConfig(**vars(_parser().parse_args(argv[1:])))
+    parser = _parser()
+    config = ServeConfig(**vars(parser.parse_args(argv[1:])))
+    for name in ("queue_timeout", "request_timeout", "drain_timeout"):
+        if not 0 < getattr(config, name) < float("inf"):
+            parser.error(f"--{name.replace('_', '-')} must be a positive number of seconds")
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    if not ipaddress.ip_address(config.host).is_loopback and config.api_key is None:
+    if not _is_loopback(config.host) and config.api_key is None:
         logger.warning("binding %s without --api-key: anyone who can reach it can use it", config.host)
     try:
         serve(config, model_factory)

@@ -14,8 +14,11 @@ A batch of requests is split into groups that can run as one tensor:
 Prefills run ``GPT.residual_stream`` and unembed only the positions needed (the last one; every one
 for rows that score): ``GPT.forward`` would make a [B, T, V] tensor, 1.6 GB for 8 GPT-2 prompts of
 1024 tokens. Groups advance in lockstep, one step each per ``Engine.run`` tick, so a long generation
-does not hold back another group's first token. Nothing here knows about HTTP or LitServe: ``run``
-yields, per tick, the events (plain dicts, see ``serve.schema``) of the jobs that have news.
+does not hold back another group's first token. Between steps every group drops the jobs whose
+client is gone and ends those past their deadline with a 504 error event, so a long generation
+cannot hold a worker past ``--request-timeout``. Nothing here knows about HTTP or LitServe: ``run``
+yields, per tick, the events (plain dicts, see ``serve.schema``) of the jobs that have news, and
+counts what happened through a ``Tally``.
 """
 
 from __future__ import annotations
@@ -52,6 +55,25 @@ class Job:
     """``time.monotonic()`` when the request was queued."""
     cancelled: Callable[[], bool] = lambda: False
     """True once the client is gone: the job stops without another event."""
+    deadline: float = float("inf")
+    """``time.monotonic()`` past which the job ends with a 504 error event at its next step."""
+
+
+COUNTERS = (
+    "tokens_generated",
+    "requests_done",
+    "requests_failed",
+    "requests_cancelled",
+    "requests_timed_out",
+)
+"""What the engine counts; the server sums each over its workers at ``GET /stats``."""
+
+Tally = Callable[[str, int], None]
+"""Adds a count to one of ``COUNTERS``."""
+
+
+def no_tally(name: str, count: int) -> None:
+    """The default ``Tally``: nothing is counted (in-process use, tests)."""
 
 
 def pick_token(
@@ -143,9 +165,10 @@ def error_event(status: int, message: str) -> dict:
 class _Group(ABC):
     """Jobs that advance together. ``step`` returns (position in the batch, event) pairs."""
 
-    def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float):
+    def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float, tally: Tally):
         self.model = model
         self.members = members
+        self.tally = tally
         self.progress = {position: _Progress(job, len(members), started_at) for position, job in members}
 
     @property
@@ -163,17 +186,33 @@ class _Group(ABC):
         self.members = []
         return events
 
-    def _drop_cancelled(self) -> None:
-        self.members = [(position, job) for position, job in self.members if not job.cancelled()]
+    def _retire(self) -> list[tuple[int, dict]]:
+        """Drop the jobs whose client is gone (silently) and those past their deadline (a 504 event)."""
+        now = time.monotonic()
+        events, running = [], []
+        for position, job in self.members:
+            if job.cancelled():
+                self.tally("requests_cancelled", 1)
+            elif now > job.deadline:
+                made = len(self.progress[position].new_tokens)
+                message = (
+                    f"request timeout: not finished within {job.deadline - job.submitted_at:g} s "
+                    f"(the server's --request-timeout), stopped after {made} new tokens"
+                )
+                events.append((position, error_event(504, message)))
+            else:
+                running.append((position, job))
+        self.members = running
+        return events
 
 
 class _Scoring(_Group):
     """Score-only jobs under one fixed block set: one right-padded forward pass."""
 
     def step(self) -> list[tuple[int, dict]]:
-        self._drop_cancelled()
+        events = self._retire()
         if not self.members:
-            return []
+            return events
         block_set = self.members[0][1].block_set
         lengths = [len(job.prompt_tokens) for _, job in self.members]
         width = max(lengths)
@@ -186,7 +225,6 @@ class _Scoring(_Group):
         losses = [_losses(self.model, stream[row], idx[row], length) for row, length in enumerate(lengths)]
         prefill_s = time.monotonic() - start
         blocks_run = block_set.blocks_to_run(self.model.config.n_layer)
-        events = []
         for row, (position, _) in enumerate(self.members):
             progress = self.progress[position]
             progress.prefill_s = prefill_s
@@ -200,8 +238,8 @@ class _Scoring(_Group):
 class _Generation(_Group):
     """Generating jobs under one fixed block set with prompts of one length: one prefill, one cache."""
 
-    def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float):
-        super().__init__(model, members, started_at)
+    def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float, tally: Tally):
+        super().__init__(model, members, started_at, tally)
         device = model.wte.weight.device
         self.block_set = members[0][1].block_set
         self.blocks_run = self.block_set.blocks_to_run(model.config.n_layer)
@@ -213,9 +251,9 @@ class _Generation(_Group):
 
     def step(self) -> list[tuple[int, dict]]:
         alive = [position for position, _ in self.members]
-        self._drop_cancelled()
+        events = self._retire()
         if not self.members:
-            return []
+            return events
         if self.cache is None:
             logits = self._prefill()  # [B, V]
         else:
@@ -225,13 +263,14 @@ class _Generation(_Group):
             idx = torch.tensor(last, device=self.model.wte.weight.device)  # [B, 1]
             logits = self.model(idx, cache=self.cache, block_set=self.block_set)[:, -1].float()  # [B, V]
 
-        events, still_running = [], []
+        still_running = []
         for row, (position, job) in enumerate(self.members):
             progress = self.progress[position]
             token = pick_token(logits[row], job.temperature, job.top_k, self.generators[position])
             if token == tokens.EOT:
                 events.append((position, progress.done("stop", self.blocks_run)))
                 continue
+            self.tally("tokens_generated", 1)
             event = progress.token(token, len(self.blocks_run))
             if event is not None:
                 events.append((position, event))
@@ -277,15 +316,15 @@ class _Generation(_Group):
 class _Adaptive(_Group):
     """One job under adaptive exit, through ``lab.generate`` (depth is decided per token)."""
 
-    def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float):
-        super().__init__(model, members, started_at)
+    def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float, tally: Tally):
+        super().__init__(model, members, started_at, tally)
         ((self.position, self.job),) = members
         self.steps: Iterator[lab_generate.Step] | None = None
 
     def step(self) -> list[tuple[int, dict]]:
-        self._drop_cancelled()
+        events = self._retire()
         if not self.members:
-            return []
+            return events
         job, progress = self.job, self.progress[self.position]
         if self.steps is None:
             start = time.monotonic()
@@ -312,7 +351,7 @@ class _Adaptive(_Group):
         if step.token == tokens.EOT:
             self.members = []
             return [(self.position, progress.done("stop", None))]
-        events = []
+        self.tally("tokens_generated", 1)
         event = progress.token(step.token, len(step.blocks_run))
         if event is not None:
             events.append((self.position, event))
@@ -325,8 +364,9 @@ class _Adaptive(_Group):
 class Engine:
     """Runs batches of jobs on one model; see the module docstring for how they share passes."""
 
-    def __init__(self, model: GPT):
+    def __init__(self, model: GPT, tally: Tally = no_tally):
         self.model = model
+        self.tally = tally
 
     def groups(self, jobs: list[tuple[int, Job]], started_at: float) -> list[_Group]:
         """Split (position, job) pairs into groups that can share forward passes."""
@@ -334,14 +374,15 @@ class Engine:
         adaptive = []
         for position, job in jobs:
             if job.block_set.is_adaptive:
-                adaptive.append(_Adaptive(self.model, [(position, job)], started_at))
+                adaptive.append(_Adaptive(self.model, [(position, job)], started_at, self.tally))
             elif job.max_new_tokens == 0:
                 by_key.setdefault((_Scoring, job.block_set), []).append((position, job))
             else:
                 by_key.setdefault((_Generation, job.block_set, len(job.prompt_tokens)), []).append(
                     (position, job)
                 )
-        return [key[0](self.model, members, started_at) for key, members in by_key.items()] + adaptive
+        grouped = [key[0](self.model, members, started_at, self.tally) for key, members in by_key.items()]
+        return grouped + adaptive
 
     @torch.inference_mode()
     def run(self, jobs: list[tuple[int, Job]]) -> Iterator[list[tuple[int, dict]]]:
@@ -356,5 +397,10 @@ class Engine:
                 except Exception as error:  # one group's failure must not end the others
                     events += group.fail(error)
             groups = [group for group in groups if not group.finished]
+            for _, event in events:
+                if event["event"] == "done":
+                    self.tally("requests_done", 1)
+                elif event["event"] == "error":
+                    self.tally("requests_timed_out" if event["status"] == 504 else "requests_failed", 1)
             if events:
                 yield events

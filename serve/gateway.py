@@ -1,12 +1,16 @@
-"""The HTTP side of a request: admission, submission to LitServe's queue, and reading its events.
+"""The HTTP side of a request: the API key, admission, submission to LitServe's queue, its events.
 
-Every model route (``/predict`` and the OpenAI-compatible ones) goes through ``Gateway.admit`` and a
-``Submission``, which cover what LitServe 0.2.19 leaves open (measured, see the serving docs):
+``ApiKeyMiddleware`` refuses every request without the key before routing, except to the public
+paths. Every model route (``/predict`` and the OpenAI-compatible ones) goes through
+``Gateway.admit`` and a ``Submission``, which cover what LitServe 0.2.19 leaves open (measured, see
+the serving docs):
 
 - requests are checked against the served model before they are queued (422 naming the field);
 - at most ``max_in_flight`` requests are admitted; the next gets 429 with ``Retry-After``;
 - a request not taken by a worker within ``queue_timeout`` gets 504 (even if the worker that
   dequeued it died without a word), and a request whose worker died gets 503;
+- a request still running at its deadline (``request_timeout``) is ended by its worker with 504 at
+  the next step; should that step never return, the gateway answers 504 itself soon after;
 - an error reaches the client with its status before a stream starts, and as an explicit error
   event after (LitServe would answer 200 and cut the stream);
 - a client that goes away cancels its job: the worker stops generating for it.
@@ -15,9 +19,10 @@ Every model route (``/predict`` and the OpenAI-compatible ones) goes through ``G
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
+import math
 import pickle
+import secrets
 import time
 import uuid
 from collections import deque
@@ -27,16 +32,27 @@ from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from litserve.utils import LitAPIStatus, ResponseBufferItem
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve.api import BlockLabAPI
 from serve.engine import error_event
 from serve.schema import Admission, PredictRequest, RequestError, resolve
 
-DISCONNECT_POLL_S = 0.5
-"""How often a waiting non-streaming request checks whether its client is still there."""
+POLL_S = 0.5
+"""The longest a waiting request sleeps without looking around: whether its client is still there
+(a non-streaming one's disconnect is only noticed by asking), whether its worker is still alive, and
+at its queue: LitServe's worker monitor fails a dead worker's requests from its own thread, whose
+``event.set()`` does not wake the event loop."""
+WORKER_DIED = "the worker running this request died; it is being replaced, retry"
 CLIENT_GONE = 499
 """The status (nginx's convention) of a request whose client disconnected; nobody reads it."""
+TIMEOUT_GRACE_S = 2.0
+"""How long past a request's deadline the gateway waits for the worker's own 504 (sent at its next
+step) before answering 504 itself: only a step that never returns takes that long."""
+PUBLIC_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+"""What answers without the API key: load balancers' health checks, and the schema (no secrets)."""
 
 
 def _from_worker(data, status: str) -> dict | None:
@@ -45,7 +61,7 @@ def _from_worker(data, status: str) -> dict | None:
         return data
     if status == LitAPIStatus.ERROR:
         if data is None:  # LitServe's monitor: the worker holding this request died
-            return error_event(503, "the worker running this request died; it is being replaced, retry")
+            return error_event(503, WORKER_DIED)
         error = pickle.loads(data) if isinstance(data, bytes) else data
         if isinstance(error, HTTPException):
             return error_event(error.status_code, str(error.detail))
@@ -69,6 +85,36 @@ def error_response(path: str, status: int, detail, headers: dict[str, str] | Non
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+class ApiKeyMiddleware:
+    """Refuses (401) every request without the API key, except to ``PUBLIC_PATHS``; the key comes as
+    ``X-API-Key: KEY`` or ``Authorization: Bearer KEY`` (what the OpenAI clients send).
+
+    A middleware rather than LitServe's per-route dependency: it denies by default, so a route added
+    later cannot slip past, and it runs before the body is read or validated.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        open_to_all = scope["type"] == "lifespan" or scope["path"] in PUBLIC_PATHS
+        if open_to_all or self._has_key(Headers(scope=scope)):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+        else:
+            message = "missing or wrong API key (X-API-Key or Authorization: Bearer)"
+            await error_response(scope["path"], 401, message)(scope, receive, send)
+
+    def _has_key(self, headers: Headers) -> bool:
+        given = headers.get("x-api-key")
+        if given is None:
+            scheme, _, credentials = headers.get("authorization", "").partition(" ")
+            given = credentials if scheme.lower() == "bearer" else None
+        return given is not None and secrets.compare_digest(given.encode(), self.api_key)
+
+
 async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     """FastAPI's 422 without echoing the input back: a NaN or a lone surrogate there made FastAPI's own
     handler fail with 500, and a large bad body should not come back whole."""
@@ -84,16 +130,25 @@ class Gateway:
     """Admits requests for the one LitAPI and hands out their ``Submission``s."""
 
     def __init__(
-        self, server, api: BlockLabAPI, *, max_in_flight: int, queue_timeout: float, retry_after_s: int = 1
+        self,
+        server,
+        api: BlockLabAPI,
+        *,
+        max_in_flight: int,
+        queue_timeout: float,
+        request_timeout: float = math.inf,
+        retry_after_s: int = 1,
     ):
         self.server = server
         self.api = api
         self.max_in_flight = max_in_flight
         self.queue_timeout = queue_timeout
+        self.request_timeout = request_timeout
         self.retry_after_s = retry_after_s
         # least recently freed first, so a cancelled job's slot is reused as late as possible
         self.free_slots = deque(range(max_in_flight))
-        self.tickets = itertools.count(1)
+        self.admitted = 0
+        """Requests admitted so far; the count is each one's ticket."""
 
     def admit(self, request: PredictRequest) -> Submission:
         """Check, admit and queue ``request``; HTTPException 422, 429 or 503 when it cannot be."""
@@ -112,13 +167,29 @@ class Gateway:
             )
         slot = self.free_slots.popleft()
         now = time.monotonic()
-        request.admit(Admission(ticket=next(self.tickets), slot=slot, submitted_at=now))
+        self.admitted += 1
+        deadline = now + self.request_timeout
+        request.admit(Admission(ticket=self.admitted, slot=slot, submitted_at=now, deadline=deadline))
         uid = str(uuid.uuid4())
         item = ResponseBufferItem(event=asyncio.Event(), response_queue=deque())
         self.server.response_buffer[uid] = item
         queue = self.server._get_request_queue(self.api.api_path)
         queue.put((self.server.app.response_queue_id, uid, now, request))
         return Submission(self, uid, item, request.admission)
+
+    def worker_process(self, worker_id: int):
+        """The inference worker process ``worker_id`` (LitServe's index for our one API)."""
+        workers = self.server.inference_workers
+        return workers[worker_id] if 0 <= worker_id < len(workers) else None
+
+    def stats(self) -> dict:
+        """Requests in flight and admitted so far, and the workers' counters (``engine.COUNTERS``)."""
+        return {
+            "in_flight": self.max_in_flight - len(self.free_slots),
+            "max_in_flight": self.max_in_flight,
+            "admitted": self.admitted,
+            **self.api.shared.totals(),
+        }
 
     def _retry_after(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
@@ -138,6 +209,8 @@ class Submission:
         self.admission = admission
         self.finished = False
         self.closed = False
+        self.worker = None
+        """The process running this request, once it has taken it."""
 
     async def next_event(self, client: Request | None = None) -> dict:
         """The next event; a ``done`` or ``error`` event is the last. With ``client``, a client that
@@ -148,16 +221,29 @@ class Submission:
                 if event is not None:
                     self.finished = event["event"] in ("done", "error")
                     return event
+            if self.worker is not None and not self.worker.is_alive():
+                # LitServe's monitor fails a dead worker's requests, but skips one whose event is set
+                # at that moment (it takes it for answered): this catches those.
+                return error_event(503, WORKER_DIED)
+            if self.worker is None and self.item.worker_id is not None:
+                self.worker = self.gateway.worker_process(self.item.worker_id)
             self.item.event.clear()
-            waited = time.monotonic() - self.admission.submitted_at
+            # Past a limit the request is not finished: the caller's close() cancels it.
+            now, gateway = time.monotonic(), self.gateway
             queued = self.item.worker_id is None
-            if queued and waited > self.gateway.queue_timeout:  # not finished: close() cancels it
+            queue_limit = self.admission.submitted_at + gateway.queue_timeout if queued else math.inf
+            hard_limit = self.admission.deadline + TIMEOUT_GRACE_S
+            if now > queue_limit:
                 return error_event(
-                    504, f"queue timeout: no worker took the request within {self.gateway.queue_timeout:g} s"
+                    504, f"queue timeout: no worker took the request within {gateway.queue_timeout:g} s"
                 )
-            limit = self.gateway.queue_timeout - waited + 0.01 if queued else None
-            if client is not None:
-                limit = DISCONNECT_POLL_S if limit is None else min(limit, DISCONNECT_POLL_S)
+            if now > hard_limit:
+                return error_event(
+                    504,
+                    f"request timeout: no answer within {gateway.request_timeout:g} s (the server's "
+                    f"--request-timeout) and {TIMEOUT_GRACE_S:g} s of grace: its worker is stuck in a step",
+                )
+            limit = min(queue_limit, hard_limit, now + POLL_S) - now + 0.01
             try:
                 await asyncio.wait_for(self.item.event.wait(), limit)
             except asyncio.TimeoutError:

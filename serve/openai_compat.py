@@ -255,7 +255,7 @@ class _Route:
             submission.close()
 
 
-def register(app: FastAPI, gateway: Gateway, *, model_name: str, dependencies: list) -> None:
+def register(app: FastAPI, gateway: Gateway, *, model_name: str, responses: dict) -> None:
     completion = _Route(gateway, model_name, "text_completion")
     chat = _Route(gateway, model_name, "chat.completion")
 
@@ -278,10 +278,10 @@ def register(app: FastAPI, gateway: Gateway, *, model_name: str, dependencies: l
             "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "blocklab"}],
         }
 
-    routes: list[tuple[str, Callable, str]] = [
-        ("/v1/completions", completions, "POST"),
-        ("/v1/chat/completions", chat_completions, "POST"),
-        ("/v1/models", models, "GET"),
+    routes: list[tuple[str, Callable, str, dict]] = [
+        ("/v1/completions", completions, "POST", responses),
+        ("/v1/chat/completions", chat_completions, "POST", responses),
+        ("/v1/models", models, "GET", {401: responses[401]}),
     ]
-    for path, endpoint, method in routes:
-        app.add_api_route(path, endpoint, methods=[method], dependencies=dependencies, response_model=None)
+    for path, endpoint, method, answers in routes:
+        app.add_api_route(path, endpoint, methods=[method], response_model=None, responses=answers)

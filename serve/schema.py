@@ -35,6 +35,8 @@ class Admission:
     """Its place among the requests in flight; the worker reads ``cancelled[slot] == ticket``."""
     submitted_at: float
     """``time.monotonic()`` when it entered the queue (the same clock in every process on Linux)."""
+    deadline: float = float("inf")
+    """``time.monotonic()`` past which the worker stops the request with 504 (``--request-timeout``)."""
 
 
 class PredictRequest(BaseModel):

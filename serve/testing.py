@@ -129,13 +129,21 @@ class ServerProcess:
     """``blocklab serve ARGS`` in a subprocess on a free loopback port, ready when entered.
 
     With ``model_factory`` the model comes from it (pickled to the subprocess) instead of ``--model``.
-    Leaving the block sends SIGTERM and waits for the server to drain and exit (SIGKILL if it hangs).
+    ``host=None`` leaves ``--host`` to the server's default. Leaving the block sends SIGTERM and waits
+    for the server to drain and exit (SIGKILL if it hangs).
     """
 
-    def __init__(self, args: list[str], model_factory=None, startup_timeout: float = 120.0):
+    def __init__(
+        self,
+        args: list[str],
+        model_factory=None,
+        startup_timeout: float = 120.0,
+        host: str | None = "127.0.0.1",
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+        where = [] if host is None else ["--host", host]
+        self.args = [*args, *where, "--port", str(self.port), "--log-level", "warning"]
         self.model_factory = model_factory
         self.startup_timeout = startup_timeout
         handle, log_path = tempfile.mkstemp(prefix="blocklab-serve-", suffix=".log")
@@ -176,7 +184,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 self._fail(f"server exited with {self.process.returncode} while starting")
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code in (200, 401):
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
