@@ -124,7 +124,14 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
     return "".join(f"{message.role}: {message.content}\n" for message in messages) + "assistant:"
 
 
-def _predict_request(body: _OpenAIRequest, prompt: str, max_tokens: int | None) -> PredictRequest:
+def _in_openai_terms(detail: list[dict], names: dict[str, str]) -> list[dict]:
+    """Validation errors of the translated request, naming the fields of the body the client sent."""
+    return [{**error, "loc": [names.get(part, part) for part in error["loc"]]} for error in detail]
+
+
+def _predict_request(
+    body: _OpenAIRequest, prompt: str, max_tokens: int | None, names: dict[str, str]
+) -> PredictRequest:
     fields = {
         "prompt": prompt,
         "max_new_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
@@ -139,7 +146,8 @@ def _predict_request(body: _OpenAIRequest, prompt: str, max_tokens: int | None) 
             {name: value for name, value in fields.items() if value is not None}
         )
     except ValidationError as error:
-        raise HTTPException(422, error.errors(include_url=False, include_context=False)) from None
+        detail = error.errors(include_url=False, include_context=False)
+        raise HTTPException(422, _in_openai_terms(detail, names)) from None
 
 
 def _finish_reason(reason: str) -> str:
@@ -193,8 +201,16 @@ class _Route:
         key = "delta" if streamed else "message"
         return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish_reason}
 
-    async def respond(self, body: _OpenAIRequest, request: PredictRequest, client: Request) -> Response:
-        submission = self.gateway.admit(request)
+    async def respond(
+        self, body: _OpenAIRequest, request: PredictRequest, client: Request, names: dict[str, str]
+    ) -> Response:
+        """Answer ``body``, translated into ``request``; ``names`` maps the translation's fields back."""
+        try:
+            submission = self.gateway.admit(request)
+        except HTTPException as error:  # checked against the model: say it in the client's terms
+            if error.status_code == 422 and isinstance(error.detail, list):
+                raise HTTPException(422, _in_openai_terms(error.detail, names)) from None
+            raise
         request_id = ("cmpl-" if self.kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
         try:
             first = await (submission.next_event(client) if body.stream else submission.final_event(client))
@@ -261,16 +277,19 @@ def register(app: FastAPI, gateway: Gateway, *, model_name: str, responses: dict
 
     async def completions(request: CompletionRequest, client: Request) -> Response:
         prompt = request.prompt if isinstance(request.prompt, str) else request.prompt[0]
-        return await completion.respond(
-            request, _predict_request(request, prompt, request.max_tokens), client
-        )
+        names = {"max_new_tokens": "max_tokens"}
+        translated = _predict_request(request, prompt, request.max_tokens, names)
+        return await completion.respond(request, translated, client, names)
 
     async def chat_completions(request: ChatCompletionRequest, client: Request) -> Response:
         max_tokens = (
             request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         )
         prompt = chat_prompt(request.messages)
-        return await chat.respond(request, _predict_request(request, prompt, max_tokens), client)
+        given = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        names = {"max_new_tokens": given, "prompt": "messages"}
+        translated = _predict_request(request, prompt, max_tokens, names)
+        return await chat.respond(request, translated, client, names)
 
     async def models() -> dict:
         return {
