@@ -1,9 +1,11 @@
-"""Faults a real server must survive: overload, a stuck queue, a dead worker, SIGTERM under load."""
+"""Faults a real server must survive: overload, a stuck queue, a client gone, a request that runs too
+long, a dead worker under load, SIGTERM under load."""
 
 import json
 import os
 import signal
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +17,7 @@ from lab import tokens
 from lab.config import GPTConfig
 from lab.model import GPT
 from lab.weights import save_model
+from serve.loadgen import run_load
 from serve.testing import ServerProcess, TinyModel, descendants, is_alive
 
 pytestmark = pytest.mark.slow
@@ -43,6 +46,19 @@ def slow_body(**extra) -> dict:
     return {"prompt": "The" + SLOW_WORD + " cat", "max_new_tokens": 1, **extra}
 
 
+def stats(server: ServerProcess) -> dict:
+    return httpx.get(server.url + "/stats", timeout=10).json()
+
+
+def counter_change(server: ServerProcess, name: str, before: dict, timeout_s: float = 10.0) -> dict:
+    """``/stats`` once counter ``name`` has moved past ``before``'s value."""
+    deadline = time.monotonic() + timeout_s
+    while (now := stats(server))[name] == before[name]:
+        assert time.monotonic() < deadline, f"{name} did not change: {now}"
+        time.sleep(0.05)
+    return now
+
+
 def test_overload_gets_429_then_504_and_the_server_recovers(small_server):
     server = small_server
     with ThreadPoolExecutor(8) as pool:
@@ -62,21 +78,44 @@ def test_overload_gets_429_then_504_and_the_server_recovers(small_server):
 
 
 def test_a_client_that_disconnects_stops_its_generation(small_server):
+    """Shown by the server's own counters: the job is cancelled and no token is made for it after."""
     body = {"prompt": PROMPT, "max_new_tokens": 100, "stream": True}  # 100 steps of 20 ms
+    before = stats(small_server)
     with httpx.stream("POST", small_server.url + "/predict", json=body, timeout=30) as response:
         lines = response.iter_lines()
         assert json.loads(next(lines))["event"] == "token"
-    # Closed after one token. Were the other 99 steps still running, this would wait ~2 s (504 at 1 s).
+    # closed after one token
+    cancelled = counter_change(small_server, "requests_cancelled", before)
+    time.sleep(0.3)  # 15 steps' worth: a generation still running would show here
+    later = stats(small_server)
+    assert later["tokens_generated"] == cancelled["tokens_generated"]
+    assert 1 <= cancelled["tokens_generated"] - before["tokens_generated"] < 100
+    assert later["requests_done"] == before["requests_done"] and later["in_flight"] == 0
     after = post(small_server.url, {"prompt": PROMPT, "max_new_tokens": 1})
     assert after.status_code == 200, after.text
-    assert after.json()["timings"]["queue_ms"] < 500
+
+
+def test_a_non_streaming_client_that_gives_up_stops_its_generation(small_server):
+    before = stats(small_server)
+    with pytest.raises(httpx.ReadTimeout):
+        post(small_server.url, {"prompt": PROMPT, "max_new_tokens": 100}, timeout=0.5)
+    cancelled = counter_change(small_server, "requests_cancelled", before)
+    time.sleep(0.3)
+    assert stats(small_server)["tokens_generated"] == cancelled["tokens_generated"]
+    assert cancelled["tokens_generated"] - before["tokens_generated"] < 100
 
 
 def test_a_killed_worker_fails_its_requests_fast_and_is_replaced():
-    # --batch-timeout: both requests land in the worker's batch before it is killed
-    with slow_server(3.0, "--batch-timeout", "0.5") as server, ThreadPoolExecutor(2) as pool:
+    """SIGKILL to the worker under load: what it held gets 503 within seconds, what waited runs on
+    the replacement, nothing hangs, and load after the replacement gets only 200s."""
+    # --batch-timeout: both slow requests land in the worker's batch before it is killed
+    with slow_server(3.0, "--batch-timeout", "0.5") as server, ThreadPoolExecutor(4) as pool:
         info = httpx.get(server.url + "/info").json()
         assert info["model"]["depth"] == 4
+        stop = threading.Event()
+        load = pool.submit(
+            run_load, server.url, clients=3, duration_s=120, accept=frozenset({200, 503}), stop=stop
+        )
         in_flight = pool.submit(post, server.url, slow_body())
         streamed = pool.submit(post, server.url, slow_body(stream=True, blocks="skip=1"))
         time.sleep(1.0)
@@ -91,7 +130,18 @@ def test_a_killed_worker_fails_its_requests_fast_and_is_replaced():
         while httpx.get(server.url + "/health").status_code != 200:  # the new worker loads the model
             assert time.monotonic() < deadline, server.log()
             time.sleep(0.2)
-        assert post(server.url, {"prompt": PROMPT, "max_new_tokens": 2}).status_code == 200
+        healthy_at = time.monotonic()
+        time.sleep(1.5)
+        stop.set()
+        report = load.result()
+    print(f"\nworker killed under load: {report.requests} requests, statuses {report.statuses}")
+    assert report.unanswered == 0 and report.problems == [], report.problems[:3]  # 200 or 503, no hang
+    for outcome in report.outcomes:
+        if outcome.status == 503:  # it was in the dead worker's hands: told within seconds
+            assert outcome.started_at + outcome.latency_s - killed_at < 5
+        if outcome.started_at > healthy_at:
+            assert outcome.status == 200
+    assert any(outcome.started_at > healthy_at for outcome in report.outcomes)
 
 
 def test_an_error_mid_stream_ends_with_an_error_event():
@@ -111,6 +161,40 @@ def test_an_error_mid_stream_ends_with_an_error_event():
         assert len(events) < 40
 
 
+def stream_events(url: str, body: dict, timeout: float) -> list[dict]:
+    with httpx.stream("POST", url + "/predict", json={**body, "stream": True}, timeout=timeout) as response:
+        return [json.loads(line) for line in response.iter_lines() if line]
+
+
+@pytest.fixture(scope="module")
+def deadline_server():
+    """--request-timeout 1.5 s; every pass 50 ms (100 tokens would take 5 s), a pass over SLOW_WORD 8 s."""
+    with slow_server(8.0, "--request-timeout", "1.5", step_s=0.05) as server:
+        yield server
+
+
+def test_a_generation_past_the_request_timeout_ends_with_504(deadline_server):
+    server = deadline_server
+    before = stats(server)
+    response = post(server.url, {"prompt": PROMPT, "max_new_tokens": 100})
+    assert response.status_code == 504, response.text
+    assert "request timeout" in response.json()["detail"] and "--request-timeout" in response.json()["detail"]
+    events = stream_events(server.url, {"prompt": PROMPT, "max_new_tokens": 100}, timeout=30)
+    assert events[0]["event"] == "token" and len(events) < 100
+    assert events[-1]["event"] == "error" and events[-1]["status"] == 504
+    after = stats(server)
+    assert after["requests_timed_out"] - before["requests_timed_out"] == 2 and after["in_flight"] == 0
+    assert post(server.url, {"prompt": PROMPT, "max_new_tokens": 2}).status_code == 200  # the worker is free
+
+
+def test_a_step_that_never_returns_gets_504_from_the_gateway(deadline_server):
+    """The worker checks the deadline between steps; a step stuck for 8 s is the gateway's to end."""
+    started = time.monotonic()
+    response = post(deadline_server.url, slow_body())
+    assert response.status_code == 504 and "stuck" in response.json()["detail"], response.text
+    assert time.monotonic() - started < 8  # answered while the step was still sleeping
+
+
 def test_sigterm_drains_requests_in_flight_and_leaves_no_process(tmp_path):
     """Through the real CLI and --model DIR: requests running at SIGTERM finish, then all exits."""
     torch.manual_seed(0)
@@ -119,15 +203,18 @@ def test_sigterm_drains_requests_in_flight_and_leaves_no_process(tmp_path):
     with ServerProcess(["--model", str(tmp_path / "model"), "--threads", "1"]) as server:
         processes = descendants(server.pid) | {server.pid}
         assert len(processes) >= 3  # the server, LitServe's manager, a worker (and the resource tracker)
-        with ThreadPoolExecutor(3) as pool:
+        with ThreadPoolExecutor(4) as pool:
             body = {"prompt": PROMPT, "max_new_tokens": 900}
             running = [pool.submit(post, server.url, body, 120.0) for _ in range(3)]
+            streaming = pool.submit(stream_events, server.url, body, 120.0)
             time.sleep(1.0)
-            assert not any(future.done() for future in running), "requests finished before SIGTERM"
+            assert not any(future.done() for future in [*running, streaming]), "finished before SIGTERM"
             assert server.stop(timeout=120) == 0
             outs = [future.result() for future in running]
+            events = streaming.result()
     assert [out.status_code for out in outs] == [200, 200, 200]
     assert all(len(out.json()["tokens"]) == 900 for out in outs)
+    assert events[-1]["event"] == "done" and len(events[-1]["response"]["tokens"]) == 900
     time.sleep(0.5)
     assert [pid for pid in processes if is_alive(pid)] == []
     with socket.socket() as sock:  # the port is free again (for a server, which sets SO_REUSEADDR)
