@@ -2,6 +2,7 @@
 
     blocklab serve --model builtin &
     blocklab traffic --requests 32 --concurrency 4                     # the default block sets
+    blocklab traffic --serve builtin                                   # start, measure, stop a server
     blocklab traffic --prompts my_prompts.jsonl --block-sets all skip=5 exit=9 --duration 60 --json
 
 For each block set in turn, the same prompts (a text file with one prompt per line, a JSONL file
@@ -32,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lab import tokens
+from serve.testing import ServerProcess
 
 
 @dataclass
@@ -334,6 +336,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blocklab traffic", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--url", default="http://127.0.0.1:8000", help="the running server (loopback only by default)")
+    add(
+        "--serve",
+        metavar="MODEL",
+        default=None,
+        help="start `blocklab serve --model MODEL` on a free loopback port for this run, stop it after",
+    )
     add("--api-key", default=None, help="the server's API key, if it has one")
     add(
         "--prompts",
@@ -407,7 +415,13 @@ def main(argv: list[str]) -> int:
     check_loopback(args.url, args.allow_remote)
     if args.concurrency < 1 or args.requests < 1:
         raise SystemExit("blocklab traffic: --concurrency and --requests must be >= 1")
-    summaries, meta = asyncio.run(_run(args))
+    if args.serve is None:
+        summaries, meta = asyncio.run(_run(args))
+    else:
+        print(f"starting blocklab serve --model {args.serve} ...", file=sys.stderr)
+        with ServerProcess(["--model", args.serve]) as server:
+            args.url = server.url
+            summaries, meta = asyncio.run(_run(args))
     paths = write_results(summaries, args.out, meta)
     if args.json:
         print(
