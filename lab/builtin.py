@@ -102,12 +102,17 @@ class BuiltinLit(LitGPT):
     The builtin model has a few hundred steps; measured on this corpus (300 steps, 12 x 128, batch
     8 x 256), Muon for the blocks' weight matrices with AdamW for the tables, norms and biases reached
     a validation loss of 3.39 nats/token where AdamW alone reached 4.26. Loss, metrics and the
-    schedule are LitGPT's; only the optimiser differs.
+    schedule are LitGPT's; only the optimiser differs, and with ``train_seconds`` the schedule also
+    follows the clock: it stands at whichever is further along, the step or the elapsed share of
+    ``train_seconds``, so a machine slower than measured still ends its cosine on time.
     """
 
-    def __init__(self, config: GPTConfig, muon_lr: float = 0.02, **kwargs):
+    def __init__(
+        self, config: GPTConfig, muon_lr: float = 0.02, train_seconds: float | None = None, **kwargs
+    ):
         super().__init__(config, **kwargs)
         self.muon_lr = muon_lr
+        self.train_seconds = train_seconds
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -127,7 +132,11 @@ class BuiltinLit(LitGPT):
         optimizer = MuonAdamW(muon, adamw)
         max_steps = hp.max_steps or self.trainer.max_steps
 
+        started = time.monotonic()
+
         def factor(step: int) -> float:  # LitGPT's schedule, as a fraction of each group's own rate
+            if self.train_seconds:
+                step = max(step, int(max_steps * (time.monotonic() - started) / self.train_seconds))
             return learning_rate(step, 1.0, hp.warmup_steps, hp.schedule, hp.min_lr / hp.lr, max_steps)
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -183,31 +192,46 @@ def ngram_baselines(dm: TokenDataModule, smoothing: float = 100.0) -> dict[str, 
 
 
 @torch.inference_mode()
-def evaluate(model: GPT, dm: TokenDataModule) -> dict:
-    """Validation loss (nats/token, GPT-2 ids) with every block and with each block skipped, and the
-    probability mass the model puts on tokens the corpus never uses."""
-    batches = [(dm.gpt2_ids[x], dm.gpt2_ids[y]) for x, y in dm.val_dataloader()]  # back to GPT-2 ids
+def evaluate(model: GPT, compact: GPT, dm: TokenDataModule) -> dict:
+    """Validation loss (nats/token) of the widened ``model``, the probability it puts on tokens the
+    corpus never uses, and the loss with each block skipped. The skips run on the ``compact`` model:
+    the same logits for every token that occurs, so the same loss up to that (measured) probability,
+    at 1/2.6 of the unembedding's cost."""
+    compact_batches = list(dm.val_dataloader())
     unseen = torch.ones(tokens.VOCAB_SIZE, dtype=torch.bool)  # [50257]
     unseen[dm.gpt2_ids] = False
+    val_loss, unseen_mass = 0.0, 0.0
+    for x, y in compact_batches:
+        logits = model(dm.gpt2_ids[x])  # [B, T, 50257]: GPT-2 ids in, GPT-2 ids out
+        val_loss += float(F.cross_entropy(logits.flatten(0, 1), dm.gpt2_ids[y].flatten()))
+        unseen_mass += float(logits.softmax(-1)[..., unseen].sum(-1).mean())
 
-    def loss(block_set: BlockSet) -> tuple[float, float]:
-        total, mass = 0.0, 0.0
-        for x, y in batches:
-            logits = model(x, block_set=block_set)  # [B, T, V]
-            total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten()))
-            mass += float(logits.softmax(-1)[..., unseen].sum(-1).mean())
-        return total / len(batches), mass / len(batches)
+    def compact_loss(block_set: BlockSet) -> float:
+        losses = [
+            F.cross_entropy(compact(x, block_set=block_set).flatten(0, 1), y.flatten())
+            for x, y in compact_batches
+        ]
+        return float(torch.stack(losses).mean())
 
-    val_loss, unseen_mass = loss(BlockSet())
-    skipped = [loss(BlockSet(skip={i}))[0] for i in range(model.config.n_layer)]
-    return {"val_loss": val_loss, "val_loss_skip": skipped, "unseen_token_mass": unseen_mass}
+    return {
+        "val_loss": val_loss / len(compact_batches),
+        "unseen_token_mass": unseen_mass / len(compact_batches),
+        "val_loss_skip": [compact_loss(BlockSet(skip={i})) for i in range(model.config.n_layer)],
+    }
 
 
 def seconds_per_step(
-    cfg: GPTConfig, initial: dict, dm: TokenDataModule, recipe: Recipe, threads: int, precision: str
+    cfg: GPTConfig,
+    initial: dict,
+    dm: TokenDataModule,
+    recipe: Recipe,
+    threads: int,
+    precision: str,
+    give_up_after: float = math.inf,
 ) -> float:
     """Wall time of one training step (forward, backward, optimiser) on this machine with ``threads``
-    torch threads at ``precision``, measured on a throwaway copy of the model."""
+    torch threads at ``precision``, measured on a throwaway copy of the model. A setting whose first
+    step takes longer than ``give_up_after`` seconds is abandoned (inf): it cannot be the fastest."""
     torch.set_num_threads(threads)
     probe = BuiltinLit(cfg, muon_lr=recipe.muon_lr, lr=recipe.lr, max_steps=1)
     probe.model.load_state_dict(initial)
@@ -222,6 +246,8 @@ def seconds_per_step(
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
+        if times[0] > give_up_after:
+            return math.inf
     return min(times[1:])
 
 
@@ -256,25 +282,26 @@ def _create(recipe: Recipe, directory: Path) -> dict:
     # On a CPU shared with other jobs, 2 threads can be several times slower than 1 (each op waits for
     # its slowest thread), and bf16 pays only where the CPU has bf16 units: measure, train the fastest.
     precisions = [recipe.precision] if recipe.precision else ["32-true", "bf16-mixed"]
-    step_seconds, threads, precision = min(
-        (seconds_per_step(cfg, initial, dm, recipe, n, p), n, p)
-        for n in sorted({1, torch.get_num_threads()})
-        for p in precisions
-    )
+    step_seconds, threads, precision = math.inf, 1, precisions[0]
+    for n in sorted({1, torch.get_num_threads()}):
+        for p in precisions:
+            # a warm-up step takes longer than the steps after it, but not three times as long
+            seconds = seconds_per_step(cfg, initial, dm, recipe, n, p, give_up_after=3 * step_seconds)
+            if seconds < step_seconds:
+                step_seconds, threads, precision = seconds, n, p
     torch.set_num_threads(threads)
-    max_steps = recipe.max_steps
-    if max_steps is None:
-        # What is left of the budget, less the evaluation at the end (a validation batch forward at
-        # 2.6x the vocabulary: ~2/3 of a step, for each of n_layer + 1 block sets), in steps.
-        evaluation = 0.7 * recipe.eval_batches * (recipe.n_layer + 1) * step_seconds
-        left = recipe.minutes * 60 - (time.perf_counter() - started) - evaluation
-        max_steps = max(int(left / step_seconds * 0.9), 10)
+    # The evaluation at the end: a validation batch forward is ~1/3 of a step, for each of n_layer + 2
+    # passes (the widened model once, the compact one with each block skipped), and the baselines.
+    evaluation = 0.5 * recipe.eval_batches * (recipe.n_layer + 2) * step_seconds + 5
+    train_seconds = recipe.minutes * 60 - (time.perf_counter() - started) - evaluation
+    max_steps = recipe.max_steps or max(int(train_seconds / step_seconds), 10)
     print(
         f"{step_seconds:.2f} s/step with {threads} thread(s) at {precision}: training {max_steps} steps",
         file=sys.stderr,
     )
     lit = BuiltinLit(
-        cfg, muon_lr=recipe.muon_lr, lr=recipe.lr, weight_decay=recipe.weight_decay,
+        cfg, muon_lr=recipe.muon_lr, train_seconds=train_seconds if recipe.max_steps is None else None,
+        lr=recipe.lr, weight_decay=recipe.weight_decay,
         warmup_steps=max(max_steps // 10, 1), schedule="cosine", min_lr=recipe.lr * recipe.min_lr_fraction,
         max_steps=max_steps,
     )  # fmt: skip
@@ -292,7 +319,7 @@ def _create(recipe: Recipe, directory: Path) -> dict:
             val_check_interval=max(max_steps // 4, 1),
             limit_val_batches=recipe.eval_batches,
             num_sanity_val_steps=0,
-            max_time={"seconds": max(recipe.minutes * 60 - (time.perf_counter() - started), 1)},
+            max_time={"seconds": max(train_seconds, 1)},
             gradient_clip_val=1.0,
             logger=TensorBoardLogger(logs, name="", version=""),
             enable_checkpointing=False,
@@ -321,7 +348,7 @@ def _create(recipe: Recipe, directory: Path) -> dict:
             "train_seconds": round(train_seconds, 1),
             "baselines": ngram_baselines(dm),
             "recipe": dataclasses.asdict(recipe),
-            **evaluate(model, dm),
+            **evaluate(model, compact, dm),
         }
         report["total_seconds"] = round(time.perf_counter() - started, 1)
         save_model(model, directory, metadata=report)

@@ -1,0 +1,231 @@
+"""Batch-1 decoding speed on this machine, in one run: ours vs transformers, vs the memory-bandwidth bound.
+
+    python scripts/bench_decode.py                  # GPT-2 small shapes, torch's default threads
+    python scripts/bench_decode.py --threads 1 --rounds 7 --json bench.json
+
+Everything is measured in the same process with the same threads, configurations interleaved round by
+round (each round times every configuration once; the median over rounds is reported), so a machine
+shared with other jobs slows all of them alike. Reports:
+
+- ms/token of greedy decoding after a prompt (prefill excluded) for GPT-2 small shapes (``gpt2-random``):
+  ours fp32, ``transformers.GPT2LMHeadModel`` fp32 (same weights, its own KV cache), ours bf16;
+- the bandwidth bound: the weight bytes one token reads / the read bandwidth measured here on a buffer
+  of the same size;
+- ms/token with k of 12 blocks skipped, a linear fit (fixed part + per block), and the saving;
+- the adaptive-exit check's cost per block, end to end (``adaptive=1.0`` checks after every block and
+  never exits) and alone;
+- the unembedding through the tied [V, D] table vs a transposed contiguous [D, V] copy;
+- on the builtin model (if created), on a held-out standard-library file: the loss change of bf16
+  weights, and loss vs mean blocks per token under adaptive exit and fixed early exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from lab import tokens
+from lab.blocks import BlockSet
+from lab.generate import Decoder, score, stability
+from lab.model import GPT
+from lab.token_data import stdlib_files
+from lab.weights import builtin_dir, load_model
+
+
+def hf_twin(model: GPT):
+    """transformers' GPT2LMHeadModel holding our model's weights (Conv1D is [in, out] like ours)."""
+    import transformers
+
+    cfg = model.config
+    hf_config = transformers.GPT2Config(
+        n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
+        n_positions=cfg.block_size,
+    )  # fmt: skip
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    state = {"transformer." + k.replace("blocks.", "h."): v for k, v in model.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    hf.tie_weights()
+    return hf
+
+
+def ms_per_token_ours(model: GPT, block_set: BlockSet, prompt: list[int], n_tokens: int) -> float:
+    decoder = Decoder(model, block_set, max_len=len(prompt) + n_tokens + 1)
+    token = int(decoder.prefill(prompt).argmax())
+    start = time.perf_counter()
+    for _ in range(n_tokens):
+        logits, _ = decoder.step(token)
+        token = int(logits.argmax())
+    return (time.perf_counter() - start) * 1e3 / n_tokens
+
+
+@torch.inference_mode()
+def ms_per_token_hf(hf, prompt: list[int], n_tokens: int) -> float:
+    out = hf(torch.tensor([prompt]), use_cache=True)
+    cache_name = "cache" if "cache" in out else "past_key_values"  # renamed in transformers 5.x
+    token = int(out.logits[0, -1].argmax())
+    start = time.perf_counter()
+    for _ in range(n_tokens):
+        out = hf(torch.tensor([[token]]), use_cache=True, **{cache_name: out[cache_name]})
+        token = int(out.logits[0, -1].argmax())
+    return (time.perf_counter() - start) * 1e3 / n_tokens
+
+
+def read_bandwidth(n_bytes: int, repeats: int = 10) -> float:
+    """Best read bandwidth (GB/s) of summing a fp32 buffer of ``n_bytes``, the working set of one token."""
+    buffer = torch.ones(n_bytes // 4)
+    buffer.sum()
+    best = min(_timed(buffer.sum) for _ in range(repeats))
+    return n_bytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def weight_bytes_per_token(model: GPT) -> int:
+    """Bytes of weights one decode step reads: everything but the position table (one row of it)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "wpe.weight")
+
+
+@torch.inference_mode()
+def check_cost_alone(model: GPT, repeats: int = 200) -> float:
+    """ms of one adaptive-exit check (ln_f, cosine, to Python) on a [1, 1, D] stream."""
+    x, before = torch.randn(1, 1, model.config.n_embd), torch.randn(1, 1, model.config.n_embd)
+    times = [_timed(lambda: float(stability(model.ln_f(x), before))) for _ in range(repeats)]
+    return statistics.median(times) * 1e3
+
+
+@torch.inference_mode()
+def unembed_ms(model: GPT, repeats: int = 20) -> tuple[float, float]:
+    """ms of the unembedding through the tied table [V, D] vs through a transposed contiguous [D, V] copy."""
+    h = torch.randn(1, model.config.n_embd, dtype=model.wte.weight.dtype)  # [1, D]
+    table = model.wte.weight  # [V, D]
+    table_t = table.t().contiguous()  # [D, V]
+    tied = [_timed(lambda: F.linear(h, table)) for _ in range(repeats)]  # [1, V]
+    transposed = [_timed(lambda: h @ table_t) for _ in range(repeats)]  # [1, V]
+    return statistics.median(tied) * 1e3, statistics.median(transposed) * 1e3
+
+
+def held_out_text(limit: int) -> tuple[str, list[int]]:
+    """The first held-out standard-library file (a validation file of lab.builtin) of >= limit tokens."""
+    for path in stdlib_files()[::20]:
+        ids = tokens.encode(path.read_text(encoding="utf-8", errors="replace"))
+        if len(ids) >= limit:
+            return path.name, ids[:limit]
+    raise RuntimeError(f"no held-out file has {limit} tokens")
+
+
+def builtin_quality() -> dict | None:
+    """On the builtin model (if created), on a held-out file: the loss change of bf16 weights, and loss
+    vs mean blocks per token for adaptive-exit thresholds and for fixed early exits."""
+    if not (builtin_dir() / "blocklab.json").exists():
+        return None
+    model = load_model("builtin")
+    n = model.config.n_layer
+    name, ids = held_out_text(model.config.block_size + 1)
+    loss32 = score(model, ids).mean_loss
+    loss16 = score(load_model("builtin", dtype=torch.bfloat16), ids).mean_loss
+    trade_off = {}
+    specs = [f"adaptive={t};min=2" for t in (1.0, 0.9999, 0.999, 0.995, 0.99, 0.95)]
+    for spec in specs + [f"exit={k}" for k in (2, 4, 6, 8, 10)]:
+        result = score(model, ids, BlockSet.parse(spec, n))
+        trade_off[spec] = {"loss": result.mean_loss, "mean_blocks": result.mean_blocks}
+    return {
+        "text": name,
+        "tokens": len(ids),
+        "bf16_loss": {"fp32": loss32, "bf16": loss16, "change": loss16 - loss32},
+        "loss_vs_blocks": trade_off,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per measurement")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+
+    ours = load_model("gpt2-random")
+    ours16 = load_model("gpt2-random", dtype=torch.bfloat16)
+    hf = hf_twin(ours)
+    prompt = torch.randint(
+        0, 50257, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    with torch.inference_mode():  # same weights, same function
+        diff = (hf(torch.tensor([prompt])).logits - ours(torch.tensor([prompt]))).abs().max().item()
+    n = ours.config.n_layer
+    configs = {
+        "ours fp32": lambda: ms_per_token_ours(ours, BlockSet(), prompt, args.tokens),
+        "transformers fp32": lambda: ms_per_token_hf(hf, prompt, args.tokens),
+        "ours bf16": lambda: ms_per_token_ours(ours16, BlockSet(), prompt, args.tokens),
+        "ours fp32 adaptive=1.0": lambda: ms_per_token_ours(
+            ours, BlockSet(adaptive_threshold=1.0), prompt, args.tokens
+        ),
+    }
+    skips = [3, 6, 9, 12]
+    for k in skips:
+        block_set = BlockSet(skip=frozenset(range(n - k, n)))
+        configs[f"ours fp32 skip {k}"] = lambda b=block_set: ms_per_token_ours(ours, b, prompt, args.tokens)
+    for fn in configs.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(args.rounds):
+        for name, fn in configs.items():
+            times[name].append(fn())
+    ms = {name: statistics.median(values) for name, values in times.items()}
+    ms["ours fp32 skip 0"] = ms["ours fp32"]
+
+    bandwidth32 = read_bandwidth(weight_bytes_per_token(ours))
+    bandwidth16 = read_bandwidth(weight_bytes_per_token(ours16))
+    bound32 = weight_bytes_per_token(ours) / bandwidth32 / 1e6  # ms
+    bound16 = weight_bytes_per_token(ours16) / bandwidth16 / 1e6
+
+    # ms/token = fixed + per_block * blocks run: least squares over the skip measurements
+    xs = [n - k for k in [0, *skips]]
+    ys = [ms[f"ours fp32 skip {k}"] for k in [0, *skips]]
+    x_mean, y_mean = statistics.mean(xs), statistics.mean(ys)
+    per_block = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - x_mean) ** 2 for x in xs
+    )
+    fixed = y_mean - per_block * x_mean
+    check_end_to_end = (ms["ours fp32 adaptive=1.0"] - ms["ours fp32"]) / (n - 1)
+    tied_ms, transposed_ms = unembed_ms(ours)
+    results = {
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "hf_vs_ours_max_logit_diff": diff,
+        "ms_per_token": ms,
+        "ratio_ours_to_hf": ms["ours fp32"] / ms["transformers fp32"],
+        "read_bandwidth_gb_s": {"fp32_working_set": bandwidth32, "bf16_working_set": bandwidth16},
+        "bound_ms": {"fp32": bound32, "bf16": bound16},
+        "ratio_to_bound": {"fp32": ms["ours fp32"] / bound32, "bf16": ms["ours bf16"] / bound16},
+        "fit": {"fixed_ms": fixed, "per_block_ms": per_block, "block_share": per_block * n / ms["ours fp32"]},
+        "adaptive_check_ms": {"end_to_end_per_block": check_end_to_end, "alone": check_cost_alone(ours)},
+        "unembed_ms": {"tied_table": tied_ms, "transposed_copy": transposed_ms},
+        "builtin": builtin_quality(),
+    }
+    print(json.dumps(results, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
