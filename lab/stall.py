@@ -1,6 +1,6 @@
 """``blocklab stall``: the post-LN warmup stall, reproduced.
 
-    blocklab stall --preset cpu                       # ~N minutes on 2 CPU cores (docs/training.md)
+    blocklab stall --preset cpu                       # ~12 minutes on 2 idle CPU cores
     blocklab stall --preset gpu --seeds 1 2 3 --out runs/stall-gpu
 
 For each seed, three six-block character-level models are trained with the same settings: pre-LN
@@ -31,6 +31,13 @@ from lab.train import STREAM_TRAINER_ARGS, LitGPT
 SMOOTH = 10  # "loss at step s" is the mean training loss over steps s-9..s
 
 
+def report_steps(steps: int) -> list[int]:
+    """Where the summary reads the loss: every 100 steps (every third of a short run), and the end."""
+    every = 100 if steps >= 300 else max(steps // 3, 1)
+    marks = list(range(every, steps + 1, every))
+    return marks if marks[-1] == steps else [*marks, steps]
+
+
 @dataclass(frozen=True)
 class StallPreset:
     """Everything the three runs share. Six blocks, as in the original finding."""
@@ -52,9 +59,10 @@ class StallPreset:
 
 
 PRESETS = {
-    # Searched on 2 CPU cores for a reliable stall, pre-LN below the bigram line and < 15 minutes
-    # for the whole command (docs/training.md has the search table).
-    "cpu": StallPreset(n_embd=256, n_head=4, seq_len=64, batch_size=16, lr=2e-3),
+    # Searched on 2 CPU cores (docs/training.md has the table): at width 256 no learning rate both
+    # stalls post-LN and lets pre-LN cross the bigram line; at width 384 and 1e-3 both happen, pre-LN
+    # crossing after 250-350 steps, hence 400 steps. One seed: three runs take ~12 minutes.
+    "cpu": StallPreset(n_embd=384, n_head=6, seq_len=64, batch_size=16, lr=1e-3, steps=400),
     # nanoGPT's shakespeare-char model (6 layers, 6 heads, width 384, context 256, batch 64), bf16.
     "gpu": StallPreset(
         n_embd=384, n_head=6, seq_len=256, batch_size=64, lr=1e-3, precision="bf16-mixed", seeds=(1, 2, 3)
@@ -139,7 +147,7 @@ def train_variant(
     )
     trainer.fit(model, data)
     curve = smoothed(recorder.losses)
-    marks = [preset.steps * k // 3 for k in (1, 2, 3)]
+    marks = report_steps(preset.steps)
     below = next((i + 1 for i, loss in enumerate(curve) if loss < data.bigram_entropy), None)
     final = curve[-1]
     return {
@@ -229,19 +237,25 @@ def run_stall(preset: StallPreset, out: Path, report=print) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="blocklab stall", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(
+        prog="blocklab stall", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--seeds", type=int, nargs="+", help="default: the preset's")
     parser.add_argument("--steps", type=int, help="training steps per run (default: the preset's)")
     parser.add_argument("--warmup", type=int, help="warmup steps of the third run (default: the preset's)")
+    explore = parser.add_argument_group("explore: change one setting of the preset")
+    explore.add_argument("--lr", type=float)
+    explore.add_argument("--n-embd", type=int, help="width; keep it divisible by --n-head")
+    explore.add_argument("--n-head", type=int)
+    explore.add_argument("--batch-size", type=int)
+    explore.add_argument("--seq-len", type=int)
     parser.add_argument("--out", type=Path, default=Path("runs/stall"))
     parser.add_argument("--json", action="store_true", help="print summary.json instead of the table")
     args = parser.parse_args(argv[1:])
-    overrides = {
-        "seeds": tuple(args.seeds) if args.seeds else None,
-        "steps": args.steps,
-        "warmup": args.warmup,
-    }
+    overrides = {name: getattr(args, name) for name in ("steps", "warmup", "lr", "n_embd", "n_head")}
+    overrides |= {"batch_size": args.batch_size, "seq_len": args.seq_len}
+    overrides["seeds"] = tuple(args.seeds) if args.seeds else None
     preset = replace(PRESETS[args.preset], **{k: v for k, v in overrides.items() if v is not None})
     if preset.steps < 3 or preset.warmup < 1:
         parser.error(f"need --steps >= 3 and --warmup >= 1, got {preset.steps} and {preset.warmup}")

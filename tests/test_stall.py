@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lab import stall
-from lab.stall import PRESETS, StallPreset, smoothed
+from lab.stall import PRESETS, StallPreset, report_steps, smoothed
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +21,13 @@ def test_smoothed_is_a_trailing_mean_that_ignores_skipped_steps():
     curve = smoothed([4.0, 2.0, None, float("nan"), 6.0, 0.0], window=2)
     assert curve == [4.0, 3.0, 3.0, 3.0, 4.0, 3.0]
     assert math.isnan(smoothed([None])[0])
+
+
+def test_report_steps():
+    assert report_steps(300) == [100, 200, 300]
+    assert report_steps(450) == [100, 200, 300, 400, 450]
+    assert report_steps(30) == [10, 20, 30]
+    assert report_steps(3) == [1, 2, 3]
 
 
 def test_presets_are_six_blocks_and_the_gpu_one_is_shakespeare_char_sized():
