@@ -139,9 +139,8 @@ class Decoder:
         if self.position >= self.cache.max_len:
             raise ValueError(f"context full: {self.cache.max_len} positions")
         if self.fixed is not None:
-            return self.model(self._as_idx([token]), cache=self.cache, block_set=self.fixed)[
-                0, -1
-            ], self.blocks
+            logits = self.model(self._as_idx([token]), cache=self.cache, block_set=self.fixed)  # [1, 1, V]
+            return logits[0, -1], self.blocks
         return self._adaptive_step(token)
 
     def _adaptive_step(self, token: int) -> tuple[torch.Tensor, list[int]]:

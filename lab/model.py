@@ -24,22 +24,30 @@ from lab.config import GPTConfig
 
 
 class Linear(nn.Module):
-    """y = x W + b with W stored [in, out], the layout of GPT-2's Conv1D.
+    """y = x W + b with W of shape [in, out], as GPT-2's Conv1D (its checkpoints load without a transpose).
 
-    Why not nn.Linear's [out, in]: at batch 1 every product is a matrix-vector product that streams
-    the weight once, and on CPU the [in, out] layout streams it faster (see the README's performance
-    section). It also makes GPT-2 checkpoints load without a transpose.
+    In memory W is laid out [out, in] (W is the transpose of a contiguous [out, in] tensor), and one
+    row is multiplied with ``addmv``: at batch 1 every product is a matrix-vector product that streams
+    the weight once, and torch's matrix-vector kernel streams an [out, in] matrix at full bandwidth in
+    bf16 as well as fp32, where the matrix-matrix kernel reads bf16 at about half the rate (see
+    docs/inference.md). Values, shapes and state dicts are those of an [in, out] matrix either way.
     """
 
     def __init__(self, d_in: int, d_out: int, bias: bool = True):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(d_in, d_out))
+        self.weight = nn.Parameter(torch.empty(d_out, d_in).t())  # [Din, Dout], rows of Dout contiguous
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         *lead, d_in = x.shape
         x2d = x.reshape(-1, d_in)  # [N, Din]
-        if self.bias is None:
+        if x2d.size(0) == 1:  # decoding: one matrix-vector product
+            w_out_in = self.weight.t()  # [Dout, Din], contiguous
+            if self.bias is None:
+                y = torch.mv(w_out_in, x2d[0])  # [Dout]
+            else:
+                y = torch.addmv(self.bias, w_out_in, x2d[0])  # [Dout]
+        elif self.bias is None:
             y = x2d @ self.weight  # [N, Dout]
         else:
             y = torch.addmm(self.bias, x2d, self.weight)  # [N, Dout]
@@ -248,7 +256,10 @@ class GPT(nn.Module):
 
     def unembed(self, x: torch.Tensor) -> torch.Tensor:
         """Read the stream out: final norm, then the tied token table. [B, T, D] -> [B, T, V]."""
-        return F.linear(self.ln_f(x), self.wte.weight)  # [B, T, V]
+        h = self.ln_f(x)  # [B, T, D]
+        if h.numel() == h.size(-1):  # one position (decoding): a matrix-vector product, as in Linear
+            return torch.mv(self.wte.weight, h.reshape(-1)).view(*h.shape[:-1], -1)  # [1, 1, V]
+        return F.linear(h, self.wte.weight)  # [B, T, V]
 
     def residual_stream(
         self,

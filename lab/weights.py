@@ -262,10 +262,11 @@ def build_model(
 ) -> GPT:
     """A GPT of ``cfg`` holding ``state`` (checked key by key first), in eval mode."""
     with torch.device("meta"):
-        model = GPT(cfg)  # no memory and no random init: every tensor is replaced below
+        model = GPT(cfg).to(dtype=dtype)  # no memory and no random init yet
     check_state(model, state, source)
-    state = {name: t.to(device=device, dtype=dtype).contiguous() for name, t in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)
+    model.to_empty(device=device)  # uninitialised, in the model's own memory layout (see lab.model.Linear)
+    with torch.no_grad():
+        model.load_state_dict(state, strict=True)  # copies the values in, converting the dtype
     return model.eval()
 
 

@@ -9,8 +9,9 @@ shared with other jobs slows all of them alike. Reports:
 
 - ms/token of greedy decoding after a prompt (prefill excluded) for GPT-2 small shapes (``gpt2-random``):
   ours fp32, ``transformers.GPT2LMHeadModel`` fp32 (same weights, its own KV cache), ours bf16;
-- the bandwidth bound: the weight bytes one token reads / the read bandwidth measured here on a buffer
-  of the same size;
+- the bandwidth bound: the weight bytes one token reads / the best read bandwidth measured here on a
+  buffer of the same size (on this machine the L3 cache is about as large as GPT-2 small's fp32
+  weights, so "memory bandwidth" is that of reading such a buffer again and again, as decoding does);
 - ms/token with k of 12 blocks skipped, a linear fit (fixed part + per block), and the saving;
 - the adaptive-exit check's cost per block, end to end (``adaptive=1.0`` checks after every block and
   never exits) and alone;
@@ -78,11 +79,15 @@ def ms_per_token_hf(hf, prompt: list[int], n_tokens: int) -> float:
     return (time.perf_counter() - start) * 1e3 / n_tokens
 
 
-def read_bandwidth(n_bytes: int, repeats: int = 10) -> float:
-    """Best read bandwidth (GB/s) of summing a fp32 buffer of ``n_bytes``, the working set of one token."""
-    buffer = torch.ones(n_bytes // 4)
-    buffer.sum()
-    best = min(_timed(buffer.sum) for _ in range(repeats))
+def read_bandwidth(n_bytes: int, repeats: int = 7) -> float:
+    """Best read bandwidth (GB/s) over a fp32 buffer of ``n_bytes`` (the working set of one token), read
+    again and again as decoding does: the fastest of a sum, a dot product and a matrix-vector product
+    over it, each best of ``repeats``."""
+    buffer = torch.ones(n_bytes // 4)  # [N]
+    rows = buffer[: buffer.numel() // 768 * 768].view(-1, 768)  # [N / 768, 768]
+    ones = torch.ones(768)
+    readers = [buffer.sum, lambda: torch.dot(buffer, buffer), lambda: torch.mv(rows, ones)]
+    best = min(min(_timed(read) for _ in range(repeats)) for read in readers)
     return n_bytes / best / 1e9
 
 

@@ -190,3 +190,28 @@ def test_cli_generate_and_score(tmp_path, capsys):
     assert main(["score", *common, "--file", str(text_file), "--blocks", "adaptive=1.0"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["mean_blocks"] == 2.0 and len(out["token_losses"]) == len(out["blocks_per_token"]) > 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_matrix_vector_path_equals_matrix_path(dtype):
+    """Decoding multiplies one row with addmv / mv (lab.model.Linear, GPT.unembed): same numbers."""
+    torch.manual_seed(0)
+    model = GPT(CFG).eval().to(dtype)
+    assert model.blocks[0].mlp.c_fc.weight.t().is_contiguous()  # laid out [out, in] for mv
+    idx = torch.tensor([prompt_tokens(8)])
+    with torch.no_grad():
+        batched = model(idx)[0, -1]  # every Linear sees 8 rows: addmm
+        decoder = Decoder(model, max_len=8)
+        decoder.prefill(idx[0, :-1].tolist())
+        one_row, _ = decoder.step(int(idx[0, -1]))  # every Linear sees 1 row: addmv
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(one_row, batched, atol=tolerance, rtol=tolerance)
+
+
+def test_loaded_models_keep_the_decoding_layout(tmp_path):
+    from lab.weights import load_model, save_model
+
+    save_model(GPT(CFG), tmp_path)
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = load_model(str(tmp_path), dtype=dtype).blocks[1].attn.c_attn.weight
+        assert weight.shape == (CFG.n_embd, 3 * CFG.n_embd) and weight.t().is_contiguous()
