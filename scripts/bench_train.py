@@ -2,6 +2,7 @@
 
     python scripts/bench_train.py                     # the stall experiment's cpu model, 40 steps per leg
     python scripts/bench_train.py --steps 20 --repeats 3 --width 128
+    python scripts/bench_train.py --json              # the numbers as one JSON object
 
 Both legs train the same model (lab.model.GPT, same init), with the same AdamW groups and schedule (from
 LitGPT.configure_optimizers), on the same batches (lab.data.RandomWindows), with gradient clipping at 1.0.
@@ -13,6 +14,7 @@ so load from other processes hits both alike. The first ``--skip`` steps of ever
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import tempfile
 import time
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--skip", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", action="store_true", help="print the numbers as JSON instead")
     args = parser.parse_args()
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -109,6 +112,22 @@ def main() -> None:
         for _ in range(args.repeats):
             plain.append(plain_loop(fresh_model(), windows, args.steps, args.skip))
             lightning.append(lightning_loop(fresh_model(), data, args.steps, args.skip, log_dir))
+    if args.json:
+        result = {
+            "model": {
+                "layers": args.layers,
+                "width": args.width,
+                "batch": args.batch_size,
+                "seq": args.seq_len,
+            },
+            "threads": torch.get_num_threads(),
+            "timed_steps": args.steps - args.skip,
+            "plain_ms_per_step": min(plain) * 1e3,
+            "lightning_ms_per_step": min(lightning) * 1e3,
+            "ratio": min(lightning) / min(plain),
+        }
+        print(json.dumps(result))
+        return
     print(
         f"model: {args.layers} blocks, width {args.width}, batch {args.batch_size}x{args.seq_len}, "
         f"{torch.get_num_threads()} threads, {args.steps - args.skip} timed steps x {args.repeats} repeats"

@@ -1,0 +1,164 @@
+"""Every benchmark of the project in one run, written to BENCHMARKS.md (a few minutes on 2 cores).
+
+    python scripts/bench_all.py                       # writes BENCHMARKS.md
+    python scripts/bench_all.py --out /tmp/bench.md --json /tmp/bench.json
+
+Runs, one after another, each benchmark with settings shortened to fit a few minutes:
+
+- decode: ``scripts/bench_decode.py`` (ours vs transformers vs the bandwidth bound, blocks skipped);
+- serve: ``scripts/bench_serve.py`` (HTTP overhead, batching throughput, latency with skips);
+- train: ``scripts/bench_train.py`` (LitGPT under Lightning vs a plain torch loop);
+- depth: ``blocklab depth`` (equal-parameter stacks, ratios to 12x768).
+
+Each benchmark reports ratios against a baseline measured in its own run, so the machine's speed
+cancels; the load average before and after is recorded, because on a shared CPU it moves the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_json(name: str, command: list[str], json_path: Path | None = None) -> dict:
+    """Run one benchmark; its JSON comes from ``json_path`` if given, else from its stdout."""
+    print(f"[{name}] {' '.join(command)}", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    elapsed = time.monotonic() - started
+    if completed.returncode != 0:
+        raise SystemExit(f"[{name}] failed with {completed.returncode}:\n{completed.stderr[-4000:]}")
+    text = json_path.read_text() if json_path else completed.stdout
+    # libraries may print lines of their own before the JSON: it starts at the first line opening "{"
+    text = text[text.index("{") if text.startswith("{") else text.index("\n{") + 1 :]
+    print(f"[{name}] done in {elapsed:.0f} s", file=sys.stderr, flush=True)
+    return {"command": " ".join(command), "seconds": round(elapsed, 1), "results": json.loads(text)}
+
+
+def headline(runs: dict) -> list[tuple[str, str, str]]:
+    """(measure, value, target) rows for the summary table."""
+    decode = runs["decode"]["results"]
+    serve = runs["serve"]["results"]
+    train = runs["train"]["results"]
+    depth = runs["depth"]["results"]
+    ms = decode["ms_per_token"]
+    rows = [
+        (
+            "decode, GPT-2 small shapes: ours / transformers (fp32)",
+            f"{decode['ratio_ours_to_hf']:.2f}",
+            "<= 0.5",
+        ),
+        ("decode: ours fp32 / bandwidth bound", f"{decode['ratio_to_bound']['fp32']:.2f}", "<= 1.5"),
+        ("decode: ours bf16 / bandwidth bound", f"{decode['ratio_to_bound']['bf16']:.2f}", "<= 1.5"),
+        (
+            "decode ms/token: ours fp32, bf16, transformers",
+            f"{ms['ours fp32']:.1f}, {ms['ours bf16']:.1f}, {ms['transformers fp32']:.1f}",
+            "",
+        ),
+        ("decode: blocks' share of a step (fit)", f"{decode['fit']['block_share']:.2f}", ""),
+        (
+            "serve: HTTP overhead over in-process, p50 ms",
+            f"{serve['overhead']['overhead_p50_ms']:.2f}",
+            "<= 1.5",
+        ),
+        ("serve: 8 clients / sequential throughput", f"{serve['batching']['throughput_ratio']:.2f}", ">= 2"),
+        ("train: Lightning / plain torch step time", f"{train['ratio']:.3f}", "<= 1.05"),
+    ]
+    for row in depth["rows"]:
+        rows.append((f"depth: {row['stack']} / {depth['baseline']} ms per token", f"{row['ratio']:.2f}", ""))
+    return rows
+
+
+def render(runs: dict, meta: dict) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Written by `{meta['command']}` on {meta['date']} ({meta['seconds']:.0f} s).",
+        "",
+        f"Machine: {meta['machine']}, {meta['cores']} cores; Python {meta['python']}; "
+        + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
+        + f". Load average before/after: {meta['load_before']:.2f} / {meta['load_after']:.2f}.",
+        "",
+        "| measure | value | target |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {measure} | {value} | {target} |" for measure, value, target in headline(runs)]
+    lines += ["", "Every ratio is against a baseline measured in the same run. The raw results:", ""]
+    for name, run in runs.items():
+        lines += [
+            f"## {name}",
+            "",
+            f"`{run['command']}` ({run['seconds']:.0f} s)",
+            "",
+            "```json",
+            json.dumps(run["results"], indent=1),
+            "```",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--json", type=Path, help="also write every result here")
+    args = parser.parse_args()
+
+    python = sys.executable
+    started, load_before = time.monotonic(), os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        decode_json = Path(tmp) / "decode.json"
+        runs = {
+            "decode": run_json(
+                "decode",
+                [
+                    python,
+                    "scripts/bench_decode.py",
+                    "--rounds",
+                    "3",
+                    "--tokens",
+                    "16",
+                    "--json",
+                    str(decode_json),
+                ],
+                decode_json,
+            ),
+            "serve": run_json(
+                "serve",
+                [python, "scripts/bench_serve.py", "--overhead-requests", "150", "--requests", "6", "--json"],
+            ),
+            "train": run_json("train", [python, "scripts/bench_train.py", "--steps", "25", "--json"]),
+            "depth": run_json(
+                "depth",
+                [python, "-m", "lab.cli", "depth", "--new", "16", "--repeats", "3", "--no-plot", "--json"],
+            ),
+        }
+    meta = {
+        "command": "python scripts/bench_all.py",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "seconds": time.monotonic() - started,
+        "machine": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": {name: version(name) for name in ("torch", "lightning", "litserve", "transformers")},
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+    }
+    args.out.write_text(render(runs, meta))
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
