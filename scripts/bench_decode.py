@@ -15,7 +15,7 @@ shared with other jobs slows all of them alike. Reports:
 - ms/token with k of 12 blocks skipped, a linear fit (fixed part + per block), and the saving;
 - the adaptive-exit check's cost per block, end to end (``adaptive=1.0`` checks after every block and
   never exits) and alone;
-- the unembedding through the tied [V, D] table vs a transposed contiguous [D, V] copy;
+- one position's unembedding: mv on the tied [V, D] table vs F.linear vs a transposed [D, V] copy;
 - on the builtin model (if created), on a held-out standard-library file: the loss change of bf16
   weights, and loss vs mean blocks per token under adaptive exit and fixed early exits.
 """
@@ -111,45 +111,58 @@ def check_cost_alone(model: GPT, repeats: int = 200) -> float:
 
 
 @torch.inference_mode()
-def unembed_ms(model: GPT, repeats: int = 20) -> tuple[float, float]:
-    """ms of the unembedding through the tied table [V, D] vs through a transposed contiguous [D, V] copy."""
-    h = torch.randn(1, model.config.n_embd, dtype=model.wte.weight.dtype)  # [1, D]
+def unembed_ms(model: GPT, repeats: int = 20) -> dict[str, float]:
+    """ms of one position's unembedding: torch.mv on the tied [V, D] table (what GPT.unembed does),
+    F.linear on it, and a product with a transposed contiguous [D, V] copy."""
+    h = torch.randn(model.config.n_embd, dtype=model.wte.weight.dtype)  # [D]
     table = model.wte.weight  # [V, D]
     table_t = table.t().contiguous()  # [D, V]
-    tied = [_timed(lambda: F.linear(h, table)) for _ in range(repeats)]  # [1, V]
-    transposed = [_timed(lambda: h @ table_t) for _ in range(repeats)]  # [1, V]
-    return statistics.median(tied) * 1e3, statistics.median(transposed) * 1e3
+    ways = {
+        "mv [V, D] (used)": lambda: torch.mv(table, h),  # [V]
+        "F.linear [V, D]": lambda: F.linear(h[None], table),  # [1, V]
+        "h @ [D, V] copy": lambda: h[None] @ table_t,  # [1, V]
+    }
+    return {name: statistics.median(_timed(way) for _ in range(repeats)) * 1e3 for name, way in ways.items()}
 
 
-def held_out_text(limit: int) -> tuple[str, list[int]]:
-    """The first held-out standard-library file (a validation file of lab.builtin) of >= limit tokens."""
+def held_out_windows(length: int, count: int = 4) -> list[tuple[str, list[int]]]:
+    """``length`` tokens from the middle (code, past the opening docstring) of the first ``count``
+    held-out standard-library files (validation files of lab.builtin) that have twice that many."""
+    windows = []
     for path in stdlib_files()[::20]:
         ids = tokens.encode(path.read_text(encoding="utf-8", errors="replace"))
-        if len(ids) >= limit:
-            return path.name, ids[:limit]
-    raise RuntimeError(f"no held-out file has {limit} tokens")
+        if len(ids) >= 2 * length:
+            middle = len(ids) // 2
+            windows.append((path.name, ids[middle : middle + length]))
+        if len(windows) == count:
+            return windows
+    raise RuntimeError(f"fewer than {count} held-out files have {length} tokens")
 
 
 def builtin_quality() -> dict | None:
-    """On the builtin model (if created), on a held-out file: the loss change of bf16 weights, and loss
+    """On the builtin model (if created), on held-out files: the loss change of bf16 weights, and loss
     vs mean blocks per token for adaptive-exit thresholds and for fixed early exits."""
     if not (builtin_dir() / "blocklab.json").exists():
         return None
-    model = load_model("builtin")
-    n = model.config.n_layer
-    name, ids = held_out_text(model.config.block_size + 1)
-    loss32 = score(model, ids).mean_loss
-    loss16 = score(load_model("builtin", dtype=torch.bfloat16), ids).mean_loss
-    trade_off = {}
-    specs = [f"adaptive={t};min=2" for t in (1.0, 0.9999, 0.999, 0.995, 0.99, 0.95)]
-    for spec in specs + [f"exit={k}" for k in (2, 4, 6, 8, 10)]:
-        result = score(model, ids, BlockSet.parse(spec, n))
-        trade_off[spec] = {"loss": result.mean_loss, "mean_blocks": result.mean_blocks}
+    fp32, bf16 = load_model("builtin"), load_model("builtin", dtype=torch.bfloat16)
+    n = fp32.config.n_layer
+    windows = held_out_windows(fp32.config.block_size + 1)
+
+    def mean_score(model: GPT, spec: str) -> dict[str, float]:
+        results = [score(model, ids, BlockSet.parse(spec, n)) for _, ids in windows]
+        return {
+            "loss": statistics.mean(r.mean_loss for r in results),
+            "mean_blocks": statistics.mean(r.mean_blocks for r in results),
+        }
+
+    loss32, loss16 = mean_score(fp32, "all")["loss"], mean_score(bf16, "all")["loss"]
+    specs = [f"adaptive={t};min=2" for t in (1.0, 0.999, 0.995, 0.99, 0.98, 0.95)]
+    specs += [f"exit={k}" for k in (2, 4, 6, 8, 10)]
     return {
-        "text": name,
-        "tokens": len(ids),
+        "texts": [name for name, _ in windows],
+        "tokens_each": fp32.config.block_size + 1,
         "bf16_loss": {"fp32": loss32, "bf16": loss16, "change": loss16 - loss32},
-        "loss_vs_blocks": trade_off,
+        "loss_vs_blocks": {spec: mean_score(fp32, spec) for spec in specs},
     }
 
 
@@ -208,7 +221,6 @@ def main() -> None:
     )
     fixed = y_mean - per_block * x_mean
     check_end_to_end = (ms["ours fp32 adaptive=1.0"] - ms["ours fp32"]) / (n - 1)
-    tied_ms, transposed_ms = unembed_ms(ours)
     results = {
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
@@ -223,7 +235,7 @@ def main() -> None:
         "ratio_to_bound": {"fp32": ms["ours fp32"] / bound32, "bf16": ms["ours bf16"] / bound16},
         "fit": {"fixed_ms": fixed, "per_block_ms": per_block, "block_share": per_block * n / ms["ours fp32"]},
         "adaptive_check_ms": {"end_to_end_per_block": check_end_to_end, "alone": check_cost_alone(ours)},
-        "unembed_ms": {"tied_table": tied_ms, "transposed_copy": transposed_ms},
+        "unembed_ms": {"fp32": unembed_ms(ours), "bf16": unembed_ms(ours16)},
         "builtin": builtin_quality(),
     }
     print(json.dumps(results, indent=2))
