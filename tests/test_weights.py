@@ -158,11 +158,19 @@ def test_builtin_missing_says_how_to_create(tmp_path, monkeypatch):
         load_model("builtin")
 
 
-def test_gpt2_random_is_seeded():
-    a = load_model("gpt2-random")
-    assert a.config == GPTConfig.from_name("gpt2")
-    b = weights.random_model("gpt2", n_layer=1)
-    torch.testing.assert_close(a.blocks[0].mlp.c_fc.weight, b.blocks[0].mlp.c_fc.weight)
+def test_random_models_are_seeded():
+    a = weights.random_model("gpt2", n_layer=1, vocab_size=64)
+    b = weights.random_model("gpt2", n_layer=1, vocab_size=64)
+    c = weights.random_model("gpt2", n_layer=1, vocab_size=64, seed=2)
+    torch.testing.assert_close(a.blocks[0].mlp.c_fc.weight, b.blocks[0].mlp.c_fc.weight, atol=0, rtol=0)
+    assert not torch.equal(a.blocks[0].mlp.c_fc.weight, c.blocks[0].mlp.c_fc.weight)
+
+
+@pytest.mark.slow
+def test_gpt2_random_has_gpt2_small_shapes():
+    model = load_model("gpt2-random")
+    assert model.config == GPTConfig.from_name("gpt2") and not model.training
+    assert model.num_params() == 124_439_808  # GPT-2 small, the tied table counted once
 
 
 def test_unreachable_hub_id_says_so(monkeypatch):
