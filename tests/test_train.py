@@ -173,8 +173,11 @@ def test_logs_losses_baselines_lr_and_grad_norm(tmp_path, text_file):
     assert seen["train/nonfinite_steps"] == 0
 
 
-def test_cli_fast_dev_run(tmp_path, text_file):
-    assert main(tiny_fit_args(tmp_path / "run", text_file, "--trainer.fast_dev_run", "2")) == 0
+def test_cli_fast_dev_run_of_the_shipped_configs(tmp_path):
+    configs = Path(__file__).parents[1] / "configs"
+    args = ["fit", "--config", str(configs / "postln.yaml"), "--config", str(configs / "tiny.yaml")]
+    args += ["--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.fast_dev_run", "2"]
+    assert main(args) == 0
 
 
 def test_cli_sets_vocab_size_from_the_data_and_keeps_the_run_directory(tmp_path, text_file):
