@@ -114,7 +114,11 @@ class EvenWindows(Dataset):
 
 
 class CharDataModule(L.LightningDataModule):
-    """Characters of a text as tokens; the vocabulary is the sorted set of characters in the text."""
+    """Characters of a text as tokens; the vocabulary is the sorted set of characters in the text.
+
+    The text is read when the module is built (not in ``setup``): the vocabulary size must be known
+    before the model is, and `blocklab fit` links ``vocab_size`` into ``model.config.vocab_size``.
+    """
 
     def __init__(
         self,
