@@ -21,7 +21,6 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
-from torch import nn
 from torchmetrics import MeanMetric
 
 from lab.config import GPTConfig
@@ -89,10 +88,9 @@ class LitGPT(L.LightningModule):
         self.config = GPTConfig(**config) if isinstance(config, dict) else replace(config)
         self.hparams["config"] = asdict(self.config)
         self.model = GPT(self.config)
-        self.metrics = nn.ModuleDict(
-            {f"{stage}_{name}": MeanMetric() for stage in ("train", "val") for name in ("loss", "bpc")}
-        )
+        self.val_loss = MeanMetric()
         self.nonfinite_steps = 0
+        self.grad_norm: torch.Tensor | None = None  # of the current step, before clipping
         self.baselines: dict[str, float] = {}
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -120,23 +118,20 @@ class LitGPT(L.LightningModule):
         x, y = batch  # [B, T] each
         logits = self.model(x)  # [B, T, V]
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())  # mean over B*T tokens
-        # Every rank must agree to skip, or DDP would wait forever for a skipping rank's gradients.
-        if stage == "train" and not self.trainer.strategy.reduce_boolean_decision(
-            bool(torch.isfinite(loss)), all=True
-        ):
-            return None
-        for name, value in (("loss", loss), ("bpc", loss / math.log(2))):
-            metric = self.metrics[f"{stage}_{name}"]
-            metric(value.detach())
-            # train: this step's value; val: the mean over the validation set.
-            self.log(
-                f"{stage}/{name}",
-                metric,
-                on_step=stage == "train",
-                on_epoch=stage != "train",
-                prog_bar=name == "loss",
-            )
+        if stage == "train":
+            # Every rank must agree to skip, or DDP would wait forever for a skipping rank's gradients.
+            if not self.trainer.strategy.reduce_boolean_decision(bool(torch.isfinite(loss)), all=True):
+                return None
+            self.log("train/loss", loss, prog_bar=True)  # this step's value
+            self.log("train/bpc", loss / math.log(2))
+        else:
+            # The mean over the whole validation set, per validation run.
+            self.val_loss.update(loss)
+            self.log(f"{stage}/loss", self.val_loss, prog_bar=True)
         return loss
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val/bpc", self.val_loss.compute() / math.log(2))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         loss = self._step(batch, "train")
@@ -154,16 +149,28 @@ class LitGPT(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not grads:  # a skipped step
+        self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None  # None: a skipped step
+        if self.grad_norm is None:
             return
-        grad_norm = torch.nn.utils.get_total_norm(grads)  # before the trainer's gradient_clip_val
-        self.log("grad_norm", grad_norm)
-        if not torch.isfinite(grad_norm):
+        self.log("grad_norm", self.grad_norm)  # before clipping (configure_gradient_clipping runs next)
+        if not torch.isfinite(self.grad_norm):
             # A finite loss can still overflow in backward: drop the gradients so AdamW skips every
             # parameter (and clipping has nothing to scale), and count the step as skipped.
             optimizer.zero_grad(set_to_none=True)
             self.nonfinite_steps += 1
             self.log("train/nonfinite_steps", float(self.nonfinite_steps))
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
+        if self.grad_norm is None or not torch.isfinite(self.grad_norm):
+            return
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            # The trainer's gradient_clip_val, reusing the norm just measured instead of a second pass.
+            params = [p for p in self.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, self.grad_norm)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
         hp = self.hparams

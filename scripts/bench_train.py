@@ -1,7 +1,7 @@
 """Training step time of LitGPT under the Lightning Trainer vs a plain torch loop, as a ratio.
 
-    python scripts/bench_train.py                     # the stall experiment's cpu model, 40 steps per leg
-    python scripts/bench_train.py --steps 20 --repeats 3 --width 128
+    python scripts/bench_train.py                     # the stall cpu model, 40 steps x 3 per leg
+    python scripts/bench_train.py --steps 20 --width 128 --heads 4
     python scripts/bench_train.py --json              # the numbers as one JSON object
 
 Both legs train the same model (lab.model.GPT, same init), with the same AdamW groups and schedule (from
@@ -81,14 +81,14 @@ def lightning_loop(lit: LitGPT, data: CharDataModule, steps: int, skip: int, log
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--skip", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON instead")
     args = parser.parse_args()
 

@@ -158,6 +158,17 @@ def test_nonfinite_gradient_skips_the_update(tmp_path, text_file):
     assert not trainer.optimizers[0].state  # AdamW never stepped a parameter
 
 
+def test_clipping_reuses_the_measured_norm():
+    lit = LitGPT(GPTConfig())
+    for p in lit.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    lit.on_before_optimizer_step(optimizer=None)
+    measured = lit.grad_norm
+    assert measured == pytest.approx(0.5 * math.sqrt(sum(p.numel() for p in lit.parameters())))
+    lit.configure_gradient_clipping(None, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+    assert torch.nn.utils.get_total_norm([p.grad for p in lit.parameters()]) == pytest.approx(1.0, rel=1e-4)
+
+
 def test_logs_losses_baselines_lr_and_grad_norm(tmp_path, text_file):
     lit = LitGPT(GPTConfig(n_layer=2, n_embd=16, block_size=16, vocab_size=64), warmup_steps=10)
     data = tiny_data(text_file)
