@@ -1,6 +1,6 @@
 """``blocklab stall``: the post-LN warmup stall, reproduced.
 
-    blocklab stall --preset cpu                       # ~12 minutes on 2 idle CPU cores
+    blocklab stall --preset cpu                       # ~9 minutes on 2 idle CPU cores
     blocklab stall --preset gpu --seeds 1 2 3 --out runs/stall-gpu
 
 For each seed, three six-block character-level models are trained with the same settings: pre-LN
@@ -61,7 +61,7 @@ class StallPreset:
 PRESETS = {
     # Searched on 2 CPU cores (docs/training.md has the table): at width 256 no learning rate both
     # stalls post-LN and lets pre-LN cross the bigram line; at width 384 and 1e-3 both happen, pre-LN
-    # crossing after 250-350 steps, hence 400 steps. One seed: three runs take ~12 minutes.
+    # crossing after 250-350 steps, hence 400 steps. One seed: three runs take ~9 minutes (two: 17).
     "cpu": StallPreset(n_embd=384, n_head=6, seq_len=64, batch_size=16, lr=1e-3, steps=400),
     # nanoGPT's shakespeare-char model (6 layers, 6 heads, width 384, context 256, batch 64), bf16.
     "gpu": StallPreset(
@@ -180,10 +180,8 @@ def plot(runs: list[dict], unigram: float, bigram: float, path: Path) -> None:
         label = Variant(run["norm"], run["warmup"]).label + f", seed {run['seed']}"
         colour = colours[(run["norm"], run["warmup"] > 0)]
         ax.plot(range(1, len(curve) + 1), curve, colour, ls=styles[seeds.index(run["seed"]) % 4], label=label)
-    ax.axhline(unigram, color="grey", ls="--", lw=1)
-    ax.axhline(bigram, color="black", ls="--", lw=1)
-    ax.annotate(f"unigram {unigram:.2f}", (1, unigram), textcoords="offset points", xytext=(2, 3))
-    ax.annotate(f"bigram {bigram:.2f}", (1, bigram), textcoords="offset points", xytext=(2, 3))
+    ax.axhline(unigram, color="grey", ls="--", lw=1, label=f"unigram line H(X) = {unigram:.2f}")
+    ax.axhline(bigram, color="black", ls="--", lw=1, label=f"bigram line H(X_t | X_t-1) = {bigram:.2f}")
     ax.set(xlabel="step", ylabel=f"training loss, nats/char ({SMOOTH}-step mean)", title="The post-LN stall")
     ax.set_ylim(top=max(unigram + 0.6, 4.0))
     ax.legend(fontsize=8)
