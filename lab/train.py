@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Literal
 
 import lightning as L
@@ -226,6 +227,15 @@ class LabCLI(LightningCLI):
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0})
         parser.set_defaults({"checkpoint.every_n_train_steps": 100})
         parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
+
+    def after_fit(self) -> None:
+        # ModelCheckpoint writes last.ckpt every N steps, and at the end only if it never wrote one:
+        # a run of 350 steps would leave step 300. Write the final state, for `--ckpt_path last`.
+        checkpoint = self.trainer.checkpoint_callback
+        if checkpoint is None or not checkpoint.save_last or checkpoint.dirpath is None:
+            return
+        if not self.trainer.fast_dev_run:
+            self.trainer.save_checkpoint(Path(checkpoint.dirpath) / f"{checkpoint.CHECKPOINT_NAME_LAST}.ckpt")
 
     def parse_arguments(self, parser, args) -> None:
         # args always comes from `blocklab` (lab.cli), which also leaves it in sys.argv: the base class
