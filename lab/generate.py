@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from lab.blocks import BlockSet
 from lab.model import GPT, Block, KVCache
+from lab.quantize import WEIGHT_DTYPES, load
 
 
 @dataclass
@@ -84,17 +85,15 @@ def propagate_kv(block: Block, x: torch.Tensor, cache: tuple[torch.Tensor, torch
     """Write ``block``'s keys and values for stream ``x`` [B, T, D] at positions pos.. without running it.
 
     What the block's attention would have stored had the stream entered it unchanged (CALM's state
-    propagation for tokens that exited before this block). Only the K and V columns of c_attn are used.
+    propagation for tokens that exited before this block). c_attn stays one product (it may be a
+    quantized one, see lab.quantize): the queries' third of it, 1/12 of a block's weights, is dropped.
     """
     B, T, D = x.shape
     attn = block.attn
     H, Dh = attn.n_head, attn.head_dim
     h = block.ln_1(x) if block.norm == "pre" else x  # [B, T, D]
-    weight_kv = attn.c_attn.weight[:, D:]  # [D, 2D] the key and value columns
-    kv = h.reshape(B * T, D) @ weight_kv  # [B*T, 2D]
-    if attn.c_attn.bias is not None:
-        kv = kv + attn.c_attn.bias[D:]
-    k, v = kv.view(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4)  # 2 x [B, H, T, Dh]
+    kv = attn.c_attn(h)[..., D:]  # [B, T, 2D] the keys and values
+    k, v = kv.reshape(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4)  # 2 x [B, H, T, Dh]
     k_cache, v_cache = cache  # [B, H, T_max, Dh] each
     k_cache[:, :, pos : pos + T] = k
     v_cache[:, :, pos : pos + T] = v
@@ -300,7 +299,9 @@ def _parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--blocks", default="all", help="block set spec, e.g. skip=3,4 | exit=6 | adaptive=0.9;min=4"
     )
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--dtype", choices=WEIGHT_DTYPES, default="float32", help="int8 / int4: weight-only (lab.quantize)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     if command == "generate":
@@ -376,11 +377,9 @@ def main(argv: list[str]) -> int:
     """``blocklab generate ...`` / ``blocklab score ...``: argv[0] is the subcommand."""
     command, rest = argv[0], argv[1:]
     args = _parser(command).parse_args(rest)
-    from lab.weights import load_model
-
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model = load(args.model, args.dtype)
     block_set = BlockSet.parse(args.blocks, model.config.n_layer)
     text = _read_text(args)
     if command == "generate":

@@ -225,6 +225,7 @@ class GPT(nn.Module):
             self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
         else:
             self.ln_f = nn.Identity()
+        self.read_out: nn.Module | None = None  # a quantized copy of the tied table (lab.quantize)
         self.apply(self._init_weights)
         # GPT-2: scale the projections that write into the stream by 1/sqrt(2L), so the stream's
         # variance does not grow with depth at initialisation.
@@ -257,6 +258,8 @@ class GPT(nn.Module):
     def unembed(self, x: torch.Tensor) -> torch.Tensor:
         """Read the stream out: final norm, then the tied token table. [B, T, D] -> [B, T, V]."""
         h = self.ln_f(x)  # [B, T, D]
+        if self.read_out is not None:
+            return self.read_out(h)  # [B, T, V]
         if h.numel() == h.size(-1):  # one position (decoding): a matrix-vector product, as in Linear
             return torch.mv(self.wte.weight, h.reshape(-1)).view(*h.shape[:-1], -1)  # [1, 1, V]
         return F.linear(h, self.wte.weight)  # [B, T, V]

@@ -5,7 +5,8 @@
 
 Runs, one after another, each benchmark with settings shortened to fit a few minutes:
 
-- decode: ``scripts/bench_decode.py`` (ours vs transformers vs the bandwidth bound, blocks skipped);
+- decode: ``scripts/bench_decode.py`` (ours in fp32/bf16/int8/int4 vs transformers vs the bandwidth bound,
+  blocks skipped);
 - serve: ``scripts/bench_serve.py`` (HTTP overhead, batching throughput, latency with skips);
 - train: ``scripts/bench_train.py`` (LitGPT under Lightning vs a plain torch loop);
 - depth: ``blocklab depth`` (equal-parameter stacks, ratios to 12x768).
@@ -52,19 +53,18 @@ def headline(runs: dict) -> list[tuple[str, str, str]]:
     train = runs["train"]["results"]
     depth = runs["depth"]["results"]
     ms = decode["ms_per_token"]
-    rows = [
-        (
-            "decode, GPT-2 small shapes: ours / transformers (fp32)",
-            f"{decode['ratio_ours_to_hf']:.2f}",
-            "<= 0.5",
-        ),
-        ("decode: ours fp32 / bandwidth bound", f"{decode['ratio_to_bound']['fp32']:.2f}", "<= 1.5"),
-        ("decode: ours bf16 / bandwidth bound", f"{decode['ratio_to_bound']['bf16']:.2f}", "<= 1.5"),
-        (
-            "decode ms/token: ours fp32, bf16, transformers",
-            f"{ms['ours fp32']:.1f}, {ms['ours bf16']:.1f}, {ms['transformers fp32']:.1f}",
-            "",
-        ),
+    rows = []
+    for dtype in ("float32", "bfloat16", "int8", "int4"):
+        rows += [
+            (
+                f"decode, GPT-2 small shapes: ours {dtype} / transformers fp32",
+                f"{decode['ratio_to_hf_fp32'][dtype]:.2f} ({ms[f'ours {dtype}']:.1f} ms/token)",
+                "<= 0.5",
+            ),
+            (f"decode: ours {dtype} / bandwidth bound", f"{decode['ratio_to_bound'][dtype]:.2f}", "<= 1.5"),
+        ]
+    rows += [
+        ("decode: transformers fp32 ms/token", f"{ms['transformers fp32']:.1f}", ""),
         ("decode: blocks' share of a step (fit)", f"{decode['fit']['block_share']:.2f}", ""),
         (
             "serve: HTTP overhead over in-process, p50 ms",

@@ -8,7 +8,8 @@ round (each round times every configuration once; the median over rounds is repo
 shared with other jobs slows all of them alike. Reports:
 
 - ms/token of greedy decoding after a prompt (prefill excluded) for GPT-2 small shapes (``gpt2-random``):
-  ours fp32, ``transformers.GPT2LMHeadModel`` fp32 (same weights, its own KV cache), ours bf16;
+  ``transformers.GPT2LMHeadModel`` fp32 (same weights, its own KV cache), and ours with fp32, bf16, and
+  weight-only int8 and int4 weights (``lab.quantize``);
 - the bandwidth bound: the weight bytes one token reads / the best read bandwidth measured here on a
   buffer of the same size (on this machine the L3 cache is about as large as GPT-2 small's fp32
   weights, so "memory bandwidth" is that of reading such a buffer again and again, as decoding does);
@@ -16,8 +17,8 @@ shared with other jobs slows all of them alike. Reports:
 - the adaptive-exit check's cost per block, end to end (``adaptive=1.0`` checks after every block and
   never exits) and alone;
 - one position's unembedding: mv on the tied [V, D] table vs F.linear vs a transposed [D, V] copy;
-- on the builtin model (if created), on a held-out standard-library file: the loss change of bf16
-  weights, and loss vs mean blocks per token under adaptive exit and fixed early exits.
+- on the builtin model (if created), on held-out standard-library files: the loss change of bf16,
+  int8 and int4 weights, and loss vs mean blocks per token under adaptive exit and fixed early exits.
 """
 
 from __future__ import annotations
@@ -36,8 +37,12 @@ from lab import tokens
 from lab.blocks import BlockSet
 from lab.generate import Decoder, score, stability
 from lab.model import GPT
+from lab.quantize import load
 from lab.token_data import stdlib_files
-from lab.weights import builtin_dir, load_model
+from lab.weights import builtin_dir
+
+LOW_PRECISION = ("bfloat16", "int8", "int4")
+"""Weights besides fp32 that decoding is measured with (lab.quantize)."""
 
 
 def hf_twin(model: GPT):
@@ -98,8 +103,11 @@ def _timed(fn) -> float:
 
 
 def weight_bytes_per_token(model: GPT) -> int:
-    """Bytes of weights one decode step reads: everything but the position table (one row of it)."""
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "wpe.weight")
+    """Bytes of weights one decode step reads: everything but the position table (one row of it) and,
+    when a quantized copy reads out (lab.quantize), the token table (one row of it, the embedding)."""
+    one_row = {"wpe.weight"} | ({"wte.weight"} if model.read_out is not None else set())
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return sum(t.numel() * t.element_size() for name, t in tensors if name not in one_row)
 
 
 @torch.inference_mode()
@@ -140,11 +148,11 @@ def held_out_windows(length: int, count: int = 4) -> list[tuple[str, list[int]]]
 
 
 def builtin_quality() -> dict | None:
-    """On the builtin model (if created), on held-out files: the loss change of bf16 weights, and loss
-    vs mean blocks per token for adaptive-exit thresholds and for fixed early exits."""
+    """On the builtin model (if created), on held-out files: the loss change of bf16, int8 and int4
+    weights, and loss vs mean blocks per token for adaptive-exit thresholds and for fixed early exits."""
     if not (builtin_dir() / "blocklab.json").exists():
         return None
-    fp32, bf16 = load_model("builtin"), load_model("builtin", dtype=torch.bfloat16)
+    fp32 = load("builtin")
     n = fp32.config.n_layer
     windows = held_out_windows(fp32.config.block_size + 1)
 
@@ -155,13 +163,15 @@ def builtin_quality() -> dict | None:
             "mean_blocks": statistics.mean(r.mean_blocks for r in results),
         }
 
-    loss32, loss16 = mean_score(fp32, "all")["loss"], mean_score(bf16, "all")["loss"]
+    loss32 = mean_score(fp32, "all")["loss"]
+    losses = {dtype: mean_score(load("builtin", dtype), "all")["loss"] for dtype in LOW_PRECISION}
     specs = [f"adaptive={t};min=2" for t in (1.0, 0.999, 0.995, 0.99, 0.98, 0.95)]
     specs += [f"exit={k}" for k in (2, 4, 6, 8, 10)]
     return {
         "texts": [name for name, _ in windows],
         "tokens_each": fp32.config.block_size + 1,
-        "bf16_loss": {"fp32": loss32, "bf16": loss16, "change": loss16 - loss32},
+        "loss": {"float32": loss32, **losses},
+        "loss_change": {dtype: loss - loss32 for dtype, loss in losses.items()},
         "loss_vs_blocks": {spec: mean_score(fp32, spec) for spec in specs},
     }
 
@@ -177,8 +187,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
 
-    ours = load_model("gpt2-random")
-    ours16 = load_model("gpt2-random", dtype=torch.bfloat16)
+    models = {dtype: load("gpt2-random", dtype) for dtype in ("float32", *LOW_PRECISION)}
+    ours = models["float32"]
     hf = hf_twin(ours)
     prompt = torch.randint(
         0, 50257, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)
@@ -186,18 +196,18 @@ def main() -> None:
     with torch.inference_mode():  # same weights, same function
         diff = (hf(torch.tensor([prompt])).logits - ours(torch.tensor([prompt]))).abs().max().item()
     n = ours.config.n_layer
-    configs = {
-        "ours fp32": lambda: ms_per_token_ours(ours, BlockSet(), prompt, args.tokens),
-        "transformers fp32": lambda: ms_per_token_hf(hf, prompt, args.tokens),
-        "ours bf16": lambda: ms_per_token_ours(ours16, BlockSet(), prompt, args.tokens),
-        "ours fp32 adaptive=1.0": lambda: ms_per_token_ours(
-            ours, BlockSet(adaptive_threshold=1.0), prompt, args.tokens
-        ),
-    }
+    configs = {"transformers fp32": lambda: ms_per_token_hf(hf, prompt, args.tokens)}
+    for dtype, model in models.items():
+        configs[f"ours {dtype}"] = lambda m=model: ms_per_token_ours(m, BlockSet(), prompt, args.tokens)
+    configs["ours float32 adaptive=1.0"] = lambda: ms_per_token_ours(
+        ours, BlockSet(adaptive_threshold=1.0), prompt, args.tokens
+    )
     skips = [3, 6, 9, 12]
     for k in skips:
         block_set = BlockSet(skip=frozenset(range(n - k, n)))
-        configs[f"ours fp32 skip {k}"] = lambda b=block_set: ms_per_token_ours(ours, b, prompt, args.tokens)
+        configs[f"ours float32 skip {k}"] = lambda b=block_set: ms_per_token_ours(
+            ours, b, prompt, args.tokens
+        )
     for fn in configs.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {name: [] for name in configs}
@@ -205,22 +215,21 @@ def main() -> None:
         for name, fn in configs.items():
             times[name].append(fn())
     ms = {name: statistics.median(values) for name, values in times.items()}
-    ms["ours fp32 skip 0"] = ms["ours fp32"]
+    ms["ours float32 skip 0"] = ms["ours float32"]
 
-    bandwidth32 = read_bandwidth(weight_bytes_per_token(ours))
-    bandwidth16 = read_bandwidth(weight_bytes_per_token(ours16))
-    bound32 = weight_bytes_per_token(ours) / bandwidth32 / 1e6  # ms
-    bound16 = weight_bytes_per_token(ours16) / bandwidth16 / 1e6
+    weight_bytes = {dtype: weight_bytes_per_token(model) for dtype, model in models.items()}
+    bandwidth = {dtype: read_bandwidth(n_bytes) for dtype, n_bytes in weight_bytes.items()}
+    bound = {dtype: weight_bytes[dtype] / bandwidth[dtype] / 1e6 for dtype in models}  # ms
 
     # ms/token = fixed + per_block * blocks run: least squares over the skip measurements
     xs = [n - k for k in [0, *skips]]
-    ys = [ms[f"ours fp32 skip {k}"] for k in [0, *skips]]
+    ys = [ms[f"ours float32 skip {k}"] for k in [0, *skips]]
     x_mean, y_mean = statistics.mean(xs), statistics.mean(ys)
     per_block = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys, strict=True)) / sum(
         (x - x_mean) ** 2 for x in xs
     )
     fixed = y_mean - per_block * x_mean
-    check_end_to_end = (ms["ours fp32 adaptive=1.0"] - ms["ours fp32"]) / (n - 1)
+    check_end_to_end = (ms["ours float32 adaptive=1.0"] - ms["ours float32"]) / (n - 1)
     results = {
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
@@ -229,13 +238,18 @@ def main() -> None:
         "load_after": os.getloadavg(),
         "hf_vs_ours_max_logit_diff": diff,
         "ms_per_token": ms,
-        "ratio_ours_to_hf": ms["ours fp32"] / ms["transformers fp32"],
-        "read_bandwidth_gb_s": {"fp32_working_set": bandwidth32, "bf16_working_set": bandwidth16},
-        "bound_ms": {"fp32": bound32, "bf16": bound16},
-        "ratio_to_bound": {"fp32": ms["ours fp32"] / bound32, "bf16": ms["ours bf16"] / bound16},
-        "fit": {"fixed_ms": fixed, "per_block_ms": per_block, "block_share": per_block * n / ms["ours fp32"]},
+        "ratio_to_hf_fp32": {dtype: ms[f"ours {dtype}"] / ms["transformers fp32"] for dtype in models},
+        "weight_mb_per_token": {dtype: n_bytes / 1e6 for dtype, n_bytes in weight_bytes.items()},
+        "read_bandwidth_gb_s": bandwidth,
+        "bound_ms": bound,
+        "ratio_to_bound": {dtype: ms[f"ours {dtype}"] / bound[dtype] for dtype in models},
+        "fit": {
+            "fixed_ms": fixed,
+            "per_block_ms": per_block,
+            "block_share": per_block * n / ms["ours float32"],
+        },
         "adaptive_check_ms": {"end_to_end_per_block": check_end_to_end, "alone": check_cost_alone(ours)},
-        "unembed_ms": {"fp32": unembed_ms(ours), "bf16": unembed_ms(ours16)},
+        "unembed_ms": {"fp32": unembed_ms(ours), "bf16": unembed_ms(models["bfloat16"])},
         "builtin": builtin_quality(),
     }
     print(json.dumps(results, indent=2))

@@ -49,9 +49,9 @@ class WeightsLoader:
     dtype: str = "float32"
 
     def __call__(self, device: str) -> GPT:
-        from lab.weights import load_model
+        from lab.quantize import load
 
-        return load_model(self.spec, dtype=getattr(torch, self.dtype), device=device)
+        return load(self.spec, self.dtype, device=device)
 
 
 class SharedState:

@@ -38,6 +38,7 @@ from litserve.server import no_auth
 from litserve.utils import WorkerSetupStatus
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lab.quantize import WEIGHT_DTYPES
 from serve import gateway, openai_compat
 from serve.api import BlockLabAPI, ModelFactory, SharedState, WeightsLoader
 from serve.schema import PredictResponse
@@ -300,7 +301,7 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("LIT_SERVER_API_KEY"),
         help="require this key on every route but /health and the docs (default: $LIT_SERVER_API_KEY)",
     )
-    add("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
+    add("--dtype", choices=WEIGHT_DTYPES, default=d.dtype, help="int8 / int4: weight-only, CPU")
     add("--accelerator", choices=["auto", "cpu", "cuda", "mps"], default=d.accelerator)
     add("--workers", type=int, default=d.workers, help="inference workers per device, each with a model copy")
     add(

@@ -76,6 +76,19 @@ def test_batched_generation_matches_lab_generate(model):
         assert response["batch_size"] == 3  # one group: same block set, same prompt length
 
 
+def test_a_quantized_model_serves_the_tokens_lab_generate_gives():
+    from lab.quantize import quantize
+
+    model = quantize(TinyModel(n_layer=N_LAYER)("cpu"), "int4")  # what `blocklab serve --dtype int4` runs
+    jobs = [job("all"), job("exit=2", max_new_tokens=4)]
+    last, _ = run(Engine(model), jobs)
+    for position, one in enumerate(jobs):
+        expected = lab_generate.generate(
+            model, one.prompt_tokens, one.max_new_tokens, stop_token=tokens.EOT, block_set=one.block_set
+        )
+        assert last[position]["response"]["tokens"] == [step.token for step in expected]
+
+
 def test_right_padded_scoring_is_exact(model):
     texts = ["a b c d e f g h i j", "hello there", "one two three four five"]
     jobs = [job("exit=3", prompt=tokens.encode(text), max_new_tokens=0) for text in texts]

@@ -1,0 +1,151 @@
+"""Weight-only int8 and int4 for batch-1 decoding on the CPU: fewer bytes per token, bf16 activations.
+
+    model = load("builtin", "int4")          # or "int8"; "float32" / "bfloat16" load as usual
+    quantize(model, "int8")                  # in place, on a bf16 model already loaded
+
+A decoding step reads every weight once, so its time is the weight bytes over the rate the kernels
+stream them (docs/inference.md). On the CPUs here torch's bf16 matrix-vector kernel is compute-bound
+(~15 GB/s streamed, where fp32 reaches ~22): bf16 halves the bytes but saves only a quarter of the
+time. torch ships fused dequantize-and-multiply kernels for weight-only quantization, the ones that
+gpt-fast and torchao use on the CPU, and this module puts them behind ``lab.model.Linear``'s interface:
+
+- int8: one symmetric scale per output row (``torch.ops.aten._weight_int8pack_mm``);
+- int4: asymmetric, a scale and a zero point per group of 32-256 inputs of a row
+  (``torch.ops.aten._weight_int4pack_mm_for_cpu``, weights packed two per byte).
+
+Every ``Linear`` of the blocks becomes a ``QuantizedLinear`` and the tied unembedding gets a quantized
+copy of the token table (``GPT.read_out``); the embedding lookup keeps the bf16 table. Norms, biases,
+attention and the KV cache stay bf16. Hooks, block sets and adaptive exit work unchanged; training
+does not (the weights are buffers). Dynamic int8 (activations quantized too, fbgemm's
+``linear_dynamic``) streams faster but cost the builtin model +0.9 nats/token: the residual stream's
+outlier features do not survive one scale per tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lab.model import GPT, Linear
+
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
+"""What ``load`` accepts: plain weights in torch's dtypes, or weight-only quantization."""
+
+INT4_GROUP_SIZES = (64, 32)
+"""Inputs sharing a scale and zero point, tried in this order (the kernel takes 32, 64, 128 or 256;
+on the builtin model 64 cost +0.004 nats/token, 32 +0.019, 128 +0.006)."""
+
+
+def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> int8 values [N, K] and scales [N] with weight ~= values * scales[:, None]."""
+    weight = weight.float()
+    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [N]
+    values = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+    return values, scales
+
+
+def quantize_groups_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> codes [N, K] in 0..15 (int32) and scales_and_zeros [K / group, N, 2].
+
+    The kernel's convention: weight ~= (code - 8) * scale + zero, per group of ``group_size`` inputs.
+    The group's minimum maps to code 0 and its maximum to code 15.
+    """
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // group_size, group_size)  # [N, G, group]
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)  # [N, G, 1]
+    scales = (high - low).clamp(min=1e-12) / 15  # [N, G, 1]
+    codes = torch.round((groups - low) / scales).clamp(0, 15).to(torch.int32).reshape(n, k)  # [N, K]
+    zeros = low + 8 * scales  # [N, G, 1]: the value of code 8
+    scales_and_zeros = torch.cat([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # [G, N, 2]
+    return codes, scales_and_zeros
+
+
+def dequantize_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The weight [N, K] that int4 codes [N, K] and scales_and_zeros [G, N, 2] stand for (fp32)."""
+    n, k = codes.shape
+    groups = scales_and_zeros.size(0)
+    scales, zeros = scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [N, G] each
+    grouped = (codes.float().reshape(n, groups, k // groups) - 8) * scales[..., None] + zeros[..., None]
+    return grouped.reshape(n, k)  # [N, K]
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W + b for a weight W [in, out] given as [out, in] (``weight_out_in``), stored int8 or int4.
+
+    Works on rows of bf16 activations, any number of them (the prompt's prefill too). int4 pads the
+    outputs to a multiple of 16, as its packing requires, and drops the padding from the result.
+    """
+
+    def __init__(self, weight_out_in: torch.Tensor, bias: torch.Tensor | None, bits: int):
+        super().__init__()
+        if weight_out_in.device.type != "cpu":
+            raise ValueError(f"int{bits} weights use torch's CPU kernels, not {weight_out_in.device}'s")
+        self.bits = bits
+        self.out_features, self.in_features = weight_out_in.shape
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+        weight = weight_out_in.detach()
+        if bits == 8:
+            values, scales = quantize_rows_int8(weight)
+            self.register_buffer("weight_int8", values)  # [Dout, Din]
+            self.register_buffer("scales", scales.to(torch.bfloat16))  # [Dout]
+        elif bits == 4:
+            self.group_size = next((g for g in INT4_GROUP_SIZES if self.in_features % g == 0), None)
+            if self.group_size is None:
+                raise ValueError(f"int4 needs input widths that are multiples of 32, got {self.in_features}")
+            padding = -self.out_features % 16
+            weight = torch.cat([weight, weight.new_zeros(padding, self.in_features)])  # [Dout + pad, Din]
+            codes, scales_and_zeros = quantize_groups_int4(weight, self.group_size)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)  # [Dout + pad, Din / 2]
+            self.register_buffer("weight_int4", packed)
+            scales_and_zeros = scales_and_zeros.to(torch.bfloat16)  # [G, Dout + pad, 2]
+            self.register_buffer("scales_and_zeros", scales_and_zeros)
+        else:
+            raise ValueError(f"bits: 8 or 4, got {bits}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        *lead, d_in = x.shape
+        x2d = x.reshape(-1, d_in).to(torch.bfloat16)  # [N, Din]
+        if self.bits == 8:
+            y = torch.ops.aten._weight_int8pack_mm(x2d, self.weight_int8, self.scales)  # [N, Dout]
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2d, self.weight_int4, self.group_size, self.scales_and_zeros
+            )  # [N, Dout + pad]
+            y = y[:, : self.out_features]  # [N, Dout]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits}"
+
+
+def quantize(model: GPT, dtype: str) -> GPT:
+    """Replace ``model``'s Linear layers and read-out with int8 or int4 ones, in place; returns it.
+
+    The rest of the model (tables, norms) becomes bf16, the activations' dtype.
+    """
+    bits = {"int8": 8, "int4": 4}.get(dtype)
+    if bits is None:
+        raise ValueError(f"dtype: 'int8' or 'int4', got {dtype!r}")
+    if model.read_out is not None:
+        raise ValueError("the model is already quantized")
+    model.to(torch.bfloat16)
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)]
+    for name, linear in linears:
+        parent_name, _, attribute = name.rpartition(".")
+        quantized = QuantizedLinear(linear.weight.t(), linear.bias, bits)  # Linear's weight is [in, out]
+        setattr(model.get_submodule(parent_name), attribute, quantized)
+    model.read_out = QuantizedLinear(model.wte.weight, None, bits)  # the tied table [V, D] is [out, in]
+    return model.eval().requires_grad_(False)
+
+
+def load(spec: str, dtype: str = "float32", device: torch.device | str = "cpu", **kwargs) -> GPT:
+    """``lab.weights.load_model`` with ``dtype`` one of ``WEIGHT_DTYPES`` (int8/int4: CPU only)."""
+    from lab.weights import load_model
+
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype: one of {', '.join(WEIGHT_DTYPES)}; got {dtype!r}")
+    if dtype not in ("int8", "int4"):
+        return load_model(spec, dtype=getattr(torch, dtype), device=device, **kwargs)
+    return quantize(load_model(spec, dtype=torch.bfloat16, device=device, **kwargs), dtype)

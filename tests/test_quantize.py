@@ -1,0 +1,115 @@
+"""Weight-only int8/int4: each layer computes with the weights it claims to hold, and decoding works."""
+
+import pytest
+import torch
+
+from lab.blocks import BlockSet
+from lab.config import GPTConfig
+from lab.generate import Decoder, generate, score
+from lab.model import GPT, Linear
+from lab.quantize import (
+    QuantizedLinear,
+    dequantize_int4,
+    load,
+    quantize,
+    quantize_groups_int4,
+    quantize_rows_int8,
+)
+
+CFG = GPTConfig(n_layer=4, n_head=2, n_embd=64, vocab_size=100, block_size=32)  # 100 rows: int4 pads to 112
+
+
+def tiny_model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CFG).eval()
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    weight = torch.randn(48, 64)
+    values, scales = quantize_rows_int8(weight)
+    assert values.dtype == torch.int8 and values.abs().max() == 127
+    error = (values.float() * scales[:, None] - weight).abs()
+    assert (error <= scales[:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_groups_round_trip_within_half_a_step(group_size):
+    weight = torch.randn(48, 128)
+    codes, scales_and_zeros = quantize_groups_int4(weight, group_size)
+    assert codes.min() == 0 and codes.max() == 15 and scales_and_zeros.shape == (128 // group_size, 48, 2)
+    step = scales_and_zeros[..., 0].t().repeat_interleave(group_size, dim=1)  # [N, K]
+    assert ((dequantize_int4(codes, scales_and_zeros) - weight).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_quantized_linear_is_the_product_with_its_dequantized_weight(bits, rows):
+    """The fused kernel computes x @ W_q + b for the W_q the quantizer produced (with bf16 rounding),
+    for one row (decoding) and several (prefill), with outputs not a multiple of 16 (int4 pads)."""
+    torch.manual_seed(0)
+    linear = Linear(64, 100)
+    torch.nn.init.normal_(linear.weight, std=0.02)
+    torch.nn.init.normal_(linear.bias, std=0.02)
+    layer = QuantizedLinear(linear.weight.t(), linear.bias, bits)
+    x = torch.randn(2, rows, 64)
+    weight = linear.weight.t().detach()  # [out, in]
+    if bits == 8:
+        values, scales = quantize_rows_int8(weight)
+        dequantized = values.float() * scales.to(torch.bfloat16).float()[:, None]
+    else:
+        codes, scales_and_zeros = quantize_groups_int4(weight, layer.group_size)
+        dequantized = dequantize_int4(codes, scales_and_zeros.to(torch.bfloat16))
+    expected = x.to(torch.bfloat16).float() @ dequantized.t() + linear.bias.detach()  # [2, rows, 100]
+    got = layer(x)
+    assert got.shape == (2, rows, 100) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+    # and the quantized weights are close to the originals: the error is the quantizer's, bounded
+    relative = (dequantized - weight).norm() / weight.norm()
+    assert relative < (0.01 if bits == 8 else 0.12)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_model_predicts_like_the_original(dtype):
+    model = tiny_model()
+    idx = torch.randint(0, CFG.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(idx)  # [1, 20, V] fp32
+        quantized = quantize(tiny_model(), dtype)
+        logits = quantized(idx).float()
+    assert quantized.read_out is not None
+    assert not any(isinstance(m, Linear) for m in quantized.modules())
+    error = (logits - reference).norm() / reference.norm()
+    assert error < (0.02 if dtype == "int8" else 0.15)
+    agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
+    assert agree > (0.9 if dtype == "int8" else 0.6)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_decoding_cache_and_block_sets(dtype):
+    model = quantize(tiny_model(), dtype)
+    prompt = torch.randint(0, CFG.vocab_size, (8,), generator=torch.Generator().manual_seed(2)).tolist()
+    for spec in ["all", "skip=1", "exit=2"]:
+        block_set = BlockSet.parse(spec, CFG.n_layer)
+        decoder = Decoder(model, block_set)
+        with torch.no_grad():
+            step_logits = [decoder.prefill(prompt[:4])] + [decoder.step(t)[0] for t in prompt[4:]]
+            full = model(torch.tensor([prompt]), block_set=block_set)[0, 3:]  # [5, V]
+        torch.testing.assert_close(torch.stack(step_logits).float(), full.float(), atol=5e-2, rtol=5e-2)
+    steps = list(generate(model, prompt, 6, block_set=BlockSet.parse("adaptive=0.9;min=1", CFG.n_layer)))
+    assert len(steps) == 6 and all(1 <= len(s.blocks_run) <= CFG.n_layer for s in steps)
+    result = score(model, prompt, BlockSet.parse("skip=2", CFG.n_layer))
+    assert len(result.token_losses) == len(prompt) - 1 and result.mean_loss > 0
+
+
+def test_load_by_dtype_name(tmp_path):
+    from lab.weights import save_model
+
+    save_model(tiny_model(), tmp_path)
+    assert load(str(tmp_path), "bfloat16").wte.weight.dtype == torch.bfloat16
+    assert isinstance(load(str(tmp_path), "int4").blocks[0].mlp.c_fc, QuantizedLinear)
+    with pytest.raises(ValueError, match="dtype: one of float32, bfloat16, float16, int8, int4"):
+        load(str(tmp_path), "int3")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize(load(str(tmp_path), "int8"), "int8")
+    with pytest.raises(ValueError, match="multiples of 32"):
+        QuantizedLinear(torch.randn(32, 48), None, 4)
