@@ -73,7 +73,8 @@ class Summary:
 def default_block_sets(n_layer: int) -> list[str]:
     """``all``, one middle block skipped, three skipped, exits at 1/2 and 3/4 depth, adaptive exit.
 
-    For 12 blocks: all, skip=5, skip=3,4,5, exit=6, exit=9, adaptive=0.9.
+    For 12 blocks: all, skip=5, skip=3,4,5, exit=6, exit=9, adaptive=0.98 (on the builtin model the
+    useful thresholds lie in 0.98-0.995, docs/inference.md).
     """
     middle = max(0, n_layer // 2 - 1)
     three = sorted({max(0, middle - 2), max(0, middle - 1), middle})
@@ -83,7 +84,7 @@ def default_block_sets(n_layer: int) -> list[str]:
         "skip=" + ",".join(map(str, three)),
         f"exit={max(1, n_layer // 2)}",
         f"exit={max(1, 3 * n_layer // 4)}",
-        "adaptive=0.9",
+        "adaptive=0.98",
     ]
     return list(dict.fromkeys(specs))  # small models repeat some; keep the first of each
 

@@ -20,7 +20,7 @@ def test_default_block_sets_follow_the_depth():
         "skip=3,4,5",
         "exit=6",
         "exit=9",
-        "adaptive=0.9",
+        "adaptive=0.98",
     ]
     small = traffic.default_block_sets(2)
     assert len(small) == len(set(small)) and small[0] == "all"
