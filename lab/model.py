@@ -79,8 +79,13 @@ class CausalSelfAttention(nn.Module):
         self.z = HookPoint()  # [B, T, D] the heads' weighted values, concatenated, before c_proj
 
     def forward(
-        self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None = None, pos: int = 0
+        self,
+        x: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        pos: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``mask`` [B, 1, T, S] (True: may attend) replaces the causal rule, for left-padded batches."""
         B, T, D = x.shape
         H, Dh = self.n_head, self.head_dim
         qkv = self.qkv(self.c_attn(x))  # [B, T, 3D]
@@ -101,9 +106,12 @@ class CausalSelfAttention(nn.Module):
         if eager:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(Dh)  # [B, H, T, S]
             allowed = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            allowed = allowed if mask is None else mask  # [T, S] or [B, 1, T, S]
             scores = self.scores(scores.masked_fill(~allowed, float("-inf")))
             pattern = self.pattern(F.softmax(scores, dim=-1))  # [B, H, T, S]
             y = F.dropout(pattern, dropout, self.training) @ v  # [B, H, T, Dh]
+        elif mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)  # [B, H, T, Dh]
         elif T == 1:
             y = F.scaled_dot_product_attention(q, k, v)  # [B, H, 1, Dh]: the newest token sees all
         elif T == S:
@@ -162,15 +170,16 @@ class Block(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor] | None = None,
         pos: int = 0,
         overwrite: bool = False,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.resid_pre(x)  # [B, T, D]
         if self.norm == "pre":
-            attn_out = self.attn_out(self.attn(self.ln_1(x), cache, pos))
+            attn_out = self.attn_out(self.attn(self.ln_1(x), cache, pos, mask))
             mid = self.resid_mid(x + attn_out)
             mlp_out = self.mlp_out(self.mlp(self.ln_2(mid)))
             out = mid + mlp_out
         else:
-            attn_out = self.attn_out(self.attn(x, cache, pos))
+            attn_out = self.attn_out(self.attn(x, cache, pos, mask))
             mid = self.resid_mid(self.ln_1(x + attn_out))
             mlp_out = self.mlp_out(self.mlp(mid))
             out = self.ln_2(mid + mlp_out)
@@ -204,6 +213,20 @@ class KVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]  # [B, H, T_max, Dh] each
+
+
+def padding_mask(padding: torch.Tensor, pos: int, T: int) -> torch.Tensor:
+    """Attention mask [B, 1, T, S] (True: may attend) for left-padded rows: ``padding`` [B] pad tokens
+    lead each row; queries at cache indices pos..pos+T-1, S = pos + T keys.
+
+    A real query reads the real keys up to itself. A pad query reads only itself: never read by real
+    queries, it just has to stay finite (a row of -inf would give NaN values, and 0 x NaN is NaN).
+    """
+    query = torch.arange(pos, pos + T, device=padding.device)[:, None]  # [T, 1]
+    key = torch.arange(pos + T, device=padding.device)[None, :]  # [1, S]
+    real_key = key >= padding[:, None, None]  # [B, 1, S]
+    allowed = ((key <= query) & real_key) | (key == query)  # [B, T, S]
+    return allowed[:, None]  # [B, 1, T, S]
 
 
 class GPT(nn.Module):
@@ -247,12 +270,20 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n if include_position_table else n - self.wpe.weight.numel()
 
-    def embed_tokens(self, idx: torch.Tensor, pos: int = 0) -> torch.Tensor:
-        """The stream's first write: token plus position embeddings. idx [B, T] -> [B, T, D]."""
+    def embed_tokens(
+        self, idx: torch.Tensor, pos: int = 0, padding: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The stream's first write: token plus position embeddings. idx [B, T] -> [B, T, D].
+
+        ``padding`` [B]: each row's count of leading pad tokens, so its first real token is at position 0.
+        """
         B, T = idx.shape
-        if pos + T > self.config.block_size:
-            raise ValueError(f"{pos + T} positions exceed the context length {self.config.block_size}")
+        end = pos + T - (0 if padding is None else int(padding.min()))  # the longest row's length
+        if end > self.config.block_size:
+            raise ValueError(f"{end} positions exceed the context length {self.config.block_size}")
         positions = torch.arange(pos, pos + T, device=idx.device)  # [T]
+        if padding is not None:
+            positions = (positions - padding[:, None]).clamp(min=0)  # [B, T]
         return self.embed(self.drop(self.wte(idx) + self.wpe(positions)))  # [B, T, D]
 
     def unembed(self, x: torch.Tensor) -> torch.Tensor:
@@ -269,10 +300,13 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         cache: KVCache | None = None,
         block_set: BlockSet | None = None,
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The stream [B, T, D] leaving the set's blocks for tokens idx [B, T]: forward without the read-out.
 
         Callers that need only some positions' logits (the last one, when decoding) unembed just those.
+        ``padding`` [B]: rows of different lengths, left-padded (see ``padding_mask``); pass the same
+        padding with every later call on the same cache.
         """
         block_set = block_set or BlockSet()
         if block_set.is_adaptive:
@@ -280,10 +314,11 @@ class GPT(nn.Module):
         pos = cache.length if cache is not None else 0
         if cache is not None and pos + idx.size(1) > cache.max_len:
             raise ValueError(f"{pos + idx.size(1)} positions exceed the cache's {cache.max_len}")
-        x = self.embed_tokens(idx, pos)  # [B, T, D]
+        x = self.embed_tokens(idx, pos, padding)  # [B, T, D]
+        mask = None if padding is None else padding_mask(padding, pos, idx.size(1))  # [B, 1, T, S]
         for i in block_set.blocks_to_run(len(self.blocks)):
             layer_cache = cache.layer(i) if cache is not None else None
-            x = self.blocks[i](x, layer_cache, pos, overwrite=i in block_set.overwrite)
+            x = self.blocks[i](x, layer_cache, pos, overwrite=i in block_set.overwrite, mask=mask)
         if cache is not None:
             cache.length = pos + idx.size(1)
         return x  # [B, T, D]
@@ -293,6 +328,7 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         cache: KVCache | None = None,
         block_set: BlockSet | None = None,
+        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] for tokens idx [B, T], continuing ``cache`` when one is given."""
-        return self.unembed(self.residual_stream(idx, cache, block_set))  # [B, T, V]
+        return self.unembed(self.residual_stream(idx, cache, block_set, padding))  # [B, T, V]

@@ -6,9 +6,10 @@
 1. Overhead at batch 1: the same one-token request to a tiny model, in-process (``BlockLabAPI``'s
    decode_request + predict, what a worker runs) and over HTTP to a real server (keep-alive, one
    client); overhead = difference of the p50s. Target: <= 1.5 ms.
-2. Throughput: GPT-2-small-shaped random weights (``gpt2-random``), requests of one prompt length
-   and 16 new tokens, from 1 client and from 8 clients at once; ratio of requests per second.
-   Target: >= 2x, which only batching can give (the 8 share forward passes).
+2. Throughput: GPT-2-small-shaped random weights (``gpt2-random``), requests with 16 new tokens,
+   from 1 client and from 8 clients at once; ratio of requests per second. Target: >= 2x, which only
+   batching can give (the 8 share forward passes). Measured twice: every prompt the same, and
+   prompts of 8 different lengths (left-padded into one batch, see ``serve.engine``).
 3. Latency with blocks skipped: the same requests one at a time under ``all``, half the blocks
    skipped, and an exit at half depth.
 
@@ -103,6 +104,8 @@ def overhead(repeats: int) -> dict:
 
 def throughput_and_skips(requests: int, clients: int, new_tokens: int) -> dict:
     body = {"prompt": PROMPT, "max_new_tokens": new_tokens, "seed": 0}
+    words = PROMPT.split()
+    mixed_prompts = [" ".join(words[: 2 + 2 * i]) for i in range(clients)]  # 2, 4, ... words
     server = ServerProcess(["--model", "gpt2-random", "--max-batch-size", str(clients)])
     with server, httpx.Client(base_url=server.url, timeout=300.0) as client:
         depth = client.get("/info").json()["model"]["depth"]
@@ -113,15 +116,20 @@ def throughput_and_skips(requests: int, clients: int, new_tokens: int) -> dict:
             client.post("/predict", json={**body, **extra}).raise_for_status()
             return time.perf_counter() - start
 
-        start = time.perf_counter()
-        for _ in range(requests):
-            timed({})
-        sequential_rps = requests / (time.perf_counter() - start)
+        def rates(prompts: list[str]) -> tuple[float, float]:
+            """Requests per second from 1 client, then from ``clients`` at once, cycling ``prompts``."""
+            start = time.perf_counter()
+            for i in range(requests):
+                timed({"prompt": prompts[i % len(prompts)]})
+            sequential = requests / (time.perf_counter() - start)
+            start = time.perf_counter()
+            with ThreadPoolExecutor(clients) as pool:
+                pool_requests = range(requests * 2)
+                list(pool.map(lambda i: timed({"prompt": prompts[i % len(prompts)]}), pool_requests))
+            return sequential, requests * 2 / (time.perf_counter() - start)
 
-        start = time.perf_counter()
-        with ThreadPoolExecutor(clients) as pool:
-            list(pool.map(lambda _: timed({}), range(requests * 2)))
-        concurrent_rps = requests * 2 / (time.perf_counter() - start)
+        sequential_rps, concurrent_rps = rates([PROMPT])
+        mixed_sequential_rps, mixed_concurrent_rps = rates(mixed_prompts)
 
         half = depth // 2
         block_sets = {
@@ -140,6 +148,10 @@ def throughput_and_skips(requests: int, clients: int, new_tokens: int) -> dict:
         "sequential_rps": round(sequential_rps, 3),
         "concurrent_rps": round(concurrent_rps, 3),
         "throughput_ratio": round(concurrent_rps / sequential_rps, 2),
+        "mixed_lengths_words": [len(p.split()) for p in mixed_prompts],
+        "mixed_sequential_rps": round(mixed_sequential_rps, 3),
+        "mixed_concurrent_rps": round(mixed_concurrent_rps, 3),
+        "mixed_throughput_ratio": round(mixed_concurrent_rps / mixed_sequential_rps, 2),
         "latency_p50_ms_by_block_set": latency,
     }
 
@@ -178,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         f"throughput ({b['model']}, {b['new_tokens']} new tokens): 1 client {b['sequential_rps']:.3f} req/s, "
         f"{b['clients']} clients {b['concurrent_rps']:.3f} req/s, "
         f"ratio {b['throughput_ratio']:.2f}x (target >= 2)"
+    )
+    print(
+        f"  prompts of {len(b['mixed_lengths_words'])} lengths: "
+        f"1 client {b['mixed_sequential_rps']:.3f} req/s, {b['clients']} clients "
+        f"{b['mixed_concurrent_rps']:.3f} req/s, ratio {b['mixed_throughput_ratio']:.2f}x"
     )
     for name, ms in b["latency_p50_ms_by_block_set"].items():
         print(f"  latency p50, one request at a time, {name}: {ms:.1f} ms")

@@ -69,7 +69,7 @@ class ServeConfig:
     Too many hurts far more than too few: torch's threads spin while they wait, so on a busy 2-core
     machine a GPT-2 step took 830 ms with 2 threads against 80 ms with 1."""
     max_batch_size: int = 8
-    """Most requests one worker runs together; same block set + prompt length share forward passes."""
+    """Most requests one worker runs together; those with the same block set share forward passes."""
     batch_timeout: float = 0.0
     """Seconds a worker waits for a batch to fill after its first request (0: take what is queued)."""
     max_in_flight: int = 64

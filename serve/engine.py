@@ -5,9 +5,12 @@ A batch of requests is split into groups that can run as one tensor:
 - scoring (``max_new_tokens`` 0) under one fixed block set: one right-padded forward pass. This is
   exact under causal attention: position t only reads positions <= t, so the padding after a short
   sequence never reaches its losses, which are taken over its own positions only.
-- generation under one fixed block set with prompts of one length: one prefill and one KV cache for
-  all rows, then one token per row per step. Rows at different positions would need a position and
-  a mask per row, which ``GPT.forward`` does not take; they form separate groups.
+- generation under one fixed block set: one prefill and one KV cache for all rows, then one token
+  per row per step. Prompts of different lengths are left-padded to the longest, with each row's
+  positions counted from its first real token and a mask that hides the padding
+  (``GPT.residual_stream(padding=...)``), so every row computes what it would alone. A group's
+  longest prompt plus its largest ``max_new_tokens`` must fit the context: jobs are packed into
+  groups by prompt length until they would not.
 - adaptive exit decides per token and per position, so each such request runs alone, through
   ``lab.generate``.
 
@@ -168,8 +171,18 @@ class _Group(ABC):
     def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float, tally: Tally):
         self.model = model
         self.members = members
+        self.started_at = started_at
         self.tally = tally
         self.progress = {position: _Progress(job, len(members), started_at) for position, job in members}
+        self.began = False  # whether any step has run: a group that has not begun can be split
+
+    def split(self) -> list[_Group]:
+        """After a failure in the group's first step, one group per job, to run again alone: one bad
+        request must not fail the requests it was batched with. [] when there is nothing to split
+        (one job, or tokens already sent)."""
+        if self.began or len(self.members) < 2:
+            return []
+        return [type(self)(self.model, [member], self.started_at, self.tally) for member in self.members]
 
     @property
     def finished(self) -> bool:
@@ -177,7 +190,8 @@ class _Group(ABC):
 
     @abstractmethod
     def step(self) -> list[tuple[int, dict]]:
-        """Advance every job one token (or finish them); their events."""
+        """Advance every job one token (or finish them); their events. ``retire`` runs first, so
+        there are members."""
 
     def fail(self, error: Exception) -> list[tuple[int, dict]]:
         """Every job still running gets the error; the group is over."""
@@ -186,7 +200,7 @@ class _Group(ABC):
         self.members = []
         return events
 
-    def _retire(self) -> list[tuple[int, dict]]:
+    def retire(self) -> list[tuple[int, dict]]:
         """Drop the jobs whose client is gone (silently) and those past their deadline (a 504 event)."""
         now = time.monotonic()
         events, running = [], []
@@ -210,9 +224,7 @@ class _Scoring(_Group):
     """Score-only jobs under one fixed block set: one right-padded forward pass."""
 
     def step(self) -> list[tuple[int, dict]]:
-        events = self._retire()
-        if not self.members:
-            return events
+        events = []
         block_set = self.members[0][1].block_set
         lengths = [len(job.prompt_tokens) for _, job in self.members]
         width = max(lengths)
@@ -236,7 +248,7 @@ class _Scoring(_Group):
 
 
 class _Generation(_Group):
-    """Generating jobs under one fixed block set with prompts of one length: one prefill, one cache."""
+    """Generating jobs under one fixed block set: one left-padded prefill, one cache."""
 
     def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float, tally: Tally):
         super().__init__(model, members, started_at, tally)
@@ -247,21 +259,20 @@ class _Generation(_Group):
         for position, job in members:
             self.generators[position] = torch.Generator(device=device).manual_seed(job.seed)
         self.cache: KVCache | None = None
+        self.padding: torch.Tensor | None = None  # [B] leading pad tokens per row; None: none anywhere
+        self.cache_rows: list[int] = []  # the job (position) of each row of the cache
         self.last_tokens: dict[int, int] = {}
 
     def step(self) -> list[tuple[int, dict]]:
-        alive = [position for position, _ in self.members]
-        events = self._retire()
-        if not self.members:
-            return events
+        events = []
         if self.cache is None:
             logits = self._prefill()  # [B, V]
         else:
-            if len(self.members) < len(alive):
-                self._keep_rows([alive.index(position) for position, _ in self.members])
+            if len(self.members) < len(self.cache_rows):  # some retired since the last step
+                self._keep_rows([self.cache_rows.index(position) for position, _ in self.members])
             last = [[self.last_tokens[position]] for position, _ in self.members]
             idx = torch.tensor(last, device=self.model.wte.weight.device)  # [B, 1]
-            logits = self.model(idx, cache=self.cache, block_set=self.block_set)[:, -1].float()  # [B, V]
+            logits = self.model(idx, self.cache, self.block_set, self.padding)[:, -1].float()  # [B, V]
 
         still_running = []
         for row, (position, job) in enumerate(self.members):
@@ -290,16 +301,24 @@ class _Generation(_Group):
         cfg = self.model.config
         prompts = [job.prompt_tokens for _, job in self.members]
         weight = self.model.wte.weight
-        max_len = len(prompts[0]) + max(job.max_new_tokens for _, job in self.members)
+        width = max(map(len, prompts))
+        pads = [width - len(prompt) for prompt in prompts]
+        max_len = width + max(job.max_new_tokens for _, job in self.members)
         start = time.monotonic()
         self.cache = KVCache(
             cfg, batch_size=len(prompts), max_len=max_len, device=weight.device, dtype=weight.dtype
         )
-        idx = torch.tensor(prompts, device=weight.device)  # [B, T]
-        stream = self.model.residual_stream(idx, self.cache, self.block_set)  # [B, T, D]
+        self.cache_rows = [position for position, _ in self.members]
+        if any(pads):
+            self.padding = torch.tensor(pads, device=weight.device)  # [B]
+        padded = [[tokens.EOT] * pad + prompt for pad, prompt in zip(pads, prompts, strict=True)]
+        idx = torch.tensor(padded, device=weight.device)  # [B, T]
+        stream = self.model.residual_stream(idx, self.cache, self.block_set, self.padding)  # [B, T, D]
         for row, (position, job) in enumerate(self.members):
             if job.score:
-                self.progress[position].scored(_losses(self.model, stream[row], idx[row], idx.size(1)))
+                real = slice(pads[row], width)
+                losses = _losses(self.model, stream[row, real], idx[row, real], width - pads[row])
+                self.progress[position].scored(losses)
         next_logits = self.model.unembed(stream[:, -1:]).float()[:, 0]  # [B, V]
         prefill_s = time.monotonic() - start
         for position, _ in self.members:
@@ -308,9 +327,12 @@ class _Generation(_Group):
 
     def _keep_rows(self, rows: list[int]) -> None:
         """Drop finished rows from the cache so later steps do not compute them."""
+        self.cache_rows = [self.cache_rows[row] for row in rows]
         keep = torch.tensor(rows, device=self.cache.k.device)
         self.cache.k = self.cache.k[:, keep]  # [L, B', H, T_max, Dh]
         self.cache.v = self.cache.v[:, keep]  # [L, B', H, T_max, Dh]
+        if self.padding is not None:
+            self.padding = self.padding[keep]  # [B']
 
 
 class _Adaptive(_Group):
@@ -322,9 +344,7 @@ class _Adaptive(_Group):
         self.steps: Iterator[lab_generate.Step] | None = None
 
     def step(self) -> list[tuple[int, dict]]:
-        events = self._retire()
-        if not self.members:
-            return events
+        events = []
         job, progress = self.job, self.progress[self.position]
         if self.steps is None:
             start = time.monotonic()
@@ -370,19 +390,38 @@ class Engine:
 
     def groups(self, jobs: list[tuple[int, Job]], started_at: float) -> list[_Group]:
         """Split (position, job) pairs into groups that can share forward passes."""
-        by_key: dict[tuple, list[tuple[int, Job]]] = {}
+        scoring: dict[BlockSet, list[tuple[int, Job]]] = {}
+        generating: dict[BlockSet, list[tuple[int, Job]]] = {}
         adaptive = []
         for position, job in jobs:
             if job.block_set.is_adaptive:
                 adaptive.append(_Adaptive(self.model, [(position, job)], started_at, self.tally))
-            elif job.max_new_tokens == 0:
-                by_key.setdefault((_Scoring, job.block_set), []).append((position, job))
             else:
-                by_key.setdefault((_Generation, job.block_set, len(job.prompt_tokens)), []).append(
-                    (position, job)
-                )
-        grouped = [key[0](self.model, members, started_at, self.tally) for key, members in by_key.items()]
-        return grouped + adaptive
+                by_block_set = scoring if job.max_new_tokens == 0 else generating
+                by_block_set.setdefault(job.block_set, []).append((position, job))
+        groups: list[_Group] = [
+            _Scoring(self.model, members, started_at, self.tally) for members in scoring.values()
+        ]
+        for members in generating.values():
+            for packed in self._pack(members):
+                groups.append(_Generation(self.model, packed, started_at, self.tally))
+        return groups + adaptive
+
+    def _pack(self, members: list[tuple[int, Job]]) -> list[list[tuple[int, Job]]]:
+        """Split generating jobs, shortest prompt first, into runs whose longest prompt plus largest
+        ``max_new_tokens`` fit the context (each job alone fits: the request was checked)."""
+        context = self.model.config.block_size
+        packs: list[list[tuple[int, Job]]] = []
+        most_new = 0  # the largest max_new_tokens in the last pack
+        for position, job in sorted(members, key=lambda member: len(member[1].prompt_tokens)):
+            # sorted: this job's prompt is the longest of the pack it joins
+            if packs and len(job.prompt_tokens) + max(most_new, job.max_new_tokens) <= context:
+                packs[-1].append((position, job))
+                most_new = max(most_new, job.max_new_tokens)
+            else:
+                packs.append([(position, job)])
+                most_new = job.max_new_tokens
+        return packs
 
     @torch.inference_mode()
     def run(self, jobs: list[tuple[int, Job]]) -> Iterator[list[tuple[int, dict]]]:
@@ -391,12 +430,22 @@ class Engine:
         groups = self.groups(jobs, time.monotonic())
         while groups:
             events = []
+            alone: list[_Group] = []
             for group in groups:
+                events += group.retire()
+                if group.finished:
+                    continue
                 try:
                     events += group.step()
+                    group.began = True
                 except Exception as error:  # one group's failure must not end the others
-                    events += group.fail(error)
-            groups = [group for group in groups if not group.finished]
+                    split = group.split()
+                    if split:  # its jobs run again, each alone, from the next tick
+                        alone += split
+                        group.members = []
+                    else:
+                        events += group.fail(error)
+            groups = [group for group in groups if not group.finished] + alone
             for _, event in events:
                 if event["event"] == "done":
                     self.tally("requests_done", 1)

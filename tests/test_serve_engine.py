@@ -53,6 +53,21 @@ def run(engine: Engine, jobs: list[Job]) -> tuple[dict[int, dict], dict[int, lis
     return last, seen
 
 
+def alone(model, one: Job) -> list[int]:
+    """The tokens ``lab.generate`` gives for the job run by itself."""
+    steps = lab_generate.generate(
+        model,
+        one.prompt_tokens,
+        one.max_new_tokens,
+        temperature=one.temperature,
+        top_k=one.top_k,
+        seed=one.seed,
+        stop_token=tokens.EOT,
+        block_set=one.block_set,
+    )
+    return [step.token for step in steps]
+
+
 def test_batched_generation_matches_lab_generate(model):
     jobs = [
         job("skip=1"),
@@ -61,19 +76,35 @@ def test_batched_generation_matches_lab_generate(model):
     ]
     last, _ = run(Engine(model), jobs)
     for position, one in enumerate(jobs):
-        expected = lab_generate.generate(
-            model,
-            one.prompt_tokens,
-            one.max_new_tokens,
-            temperature=one.temperature,
-            top_k=one.top_k,
-            seed=one.seed,
-            stop_token=tokens.EOT,
-            block_set=one.block_set,
-        )
         response = last[position]["response"]
-        assert response["tokens"] == [step.token for step in expected]
-        assert response["batch_size"] == 3  # one group: same block set, same prompt length
+        assert response["tokens"] == alone(model, one)
+        assert response["batch_size"] == 3  # one group: same block set
+
+
+def test_prompts_of_different_lengths_share_one_batch(model):
+    prompts = [PROMPT, PROMPT[:2], tokens.encode("A much longer prompt than the others, with more tokens")]
+    settings = [(0.0, 1), (1.0, 2), (0.7, 3)]  # (temperature, seed)
+    jobs = [
+        job("skip=2", prompt=p, temperature=t, seed=s) for p, (t, s) in zip(prompts, settings, strict=True)
+    ]
+    last, _ = run(Engine(model), jobs)
+    for position, one in enumerate(jobs):
+        response = last[position]["response"]
+        assert response["tokens"] == alone(model, one)
+        assert response["batch_size"] == 3
+
+
+def test_groups_are_packed_to_fit_the_context(model):
+    context = model.config.block_size  # 128
+    short, long = [7] * 10, [7] * 100
+    engine = Engine(model)
+    fits = [job(prompt=short, max_new_tokens=20), job(prompt=long, max_new_tokens=20)]
+    assert [len(g.members) for g in engine.groups(list(enumerate(fits)), time.monotonic())] == [2]
+    # 100 prompt tokens + the short one's 100 new tokens would not fit 128: two groups
+    apart = [job(prompt=short, max_new_tokens=context - 10), job(prompt=long, max_new_tokens=20)]
+    assert [len(g.members) for g in engine.groups(list(enumerate(apart)), time.monotonic())] == [1, 1]
+    last, _ = run(engine, apart)
+    assert all(event["event"] == "done" for event in last.values())
 
 
 def test_a_quantized_model_serves_the_tokens_lab_generate_gives():
@@ -83,10 +114,7 @@ def test_a_quantized_model_serves_the_tokens_lab_generate_gives():
     jobs = [job("all"), job("exit=2", max_new_tokens=4)]
     last, _ = run(Engine(model), jobs)
     for position, one in enumerate(jobs):
-        expected = lab_generate.generate(
-            model, one.prompt_tokens, one.max_new_tokens, stop_token=tokens.EOT, block_set=one.block_set
-        )
-        assert last[position]["response"]["tokens"] == [step.token for step in expected]
+        assert last[position]["response"]["tokens"] == alone(model, one)
 
 
 def test_right_padded_scoring_is_exact(model):
@@ -113,13 +141,17 @@ def test_block_sets_are_never_mixed(model):
         assert together[position]["response"]["block_set"] == spec
 
 
-def test_a_failing_group_does_not_take_the_others_down(model):
+def test_a_failing_request_does_not_take_the_others_down(model):
+    """The failing request is batched with job 0 (same block set): the batch fails at its prefill,
+    then each of its jobs runs again alone; only the failing one gets the error."""
     failing = job(prompt=tokens.encode("Please explode now"))
     last, _ = run(Engine(model), [job(), failing, job("skip=1")])
     assert (
         last[1]["event"] == "error" and last[1]["status"] == 500 and "injected failure" in last[1]["message"]
     )
     assert last[0]["event"] == "done" and last[2]["event"] == "done"
+    assert last[0]["response"]["batch_size"] == 1  # it ran again alone
+    assert last[0]["response"]["tokens"] == alone(model, job())
 
 
 def test_a_cancelled_job_stops_without_another_event(model):
