@@ -85,8 +85,9 @@ def propagate_kv(block: Block, x: torch.Tensor, cache: tuple[torch.Tensor, torch
     """Write ``block``'s keys and values for stream ``x`` [B, T, D] at positions pos.. without running it.
 
     What the block's attention would have stored had the stream entered it unchanged (CALM's state
-    propagation for tokens that exited before this block). c_attn stays one product (it may be a
-    quantized one, see lab.quantize): the queries' third of it, 1/12 of a block's weights, is dropped.
+    propagation for tokens that exited before this block). c_attn runs whole, as one product (it may
+    be a quantized one, see lab.quantize): its query third, 1/12 of a block's weights, is computed and
+    discarded.
     """
     B, T, D = x.shape
     attn = block.attn

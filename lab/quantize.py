@@ -10,7 +10,7 @@ time. torch ships fused dequantize-and-multiply kernels for weight-only quantiza
 gpt-fast and torchao use on the CPU, and this module puts them behind ``lab.model.Linear``'s interface:
 
 - int8: one symmetric scale per output row (``torch.ops.aten._weight_int8pack_mm``);
-- int4: asymmetric, a scale and a zero point per group of 32-256 inputs of a row
+- int4: asymmetric, a scale and a zero point per group of 64 inputs of a row (32 where 64 does not divide)
   (``torch.ops.aten._weight_int4pack_mm_for_cpu``, weights packed two per byte).
 
 Every ``Linear`` of the blocks becomes a ``QuantizedLinear`` and the tied unembedding gets a quantized
@@ -104,7 +104,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         *lead, d_in = x.shape
-        x2d = x.reshape(-1, d_in).to(torch.bfloat16)  # [N, Din]
+        x2d = x.reshape(-1, d_in).to(torch.bfloat16).contiguous()  # [N, Din]: the kernels need it dense
         if self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2d, self.weight_int8, self.scales)  # [N, Dout]
         else:
@@ -140,12 +140,22 @@ def quantize(model: GPT, dtype: str) -> GPT:
     return model.eval().requires_grad_(False)
 
 
+def parameter_count(model: GPT) -> int:
+    """``model.num_params()`` as before quantization: quantized weights are buffers, not parameters.
+    The read-out's quantized table is a copy of the tied token table, counted once already."""
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m is not model.read_out]
+    stored = sum(m.in_features * m.out_features + (0 if m.bias is None else m.out_features) for m in linears)
+    return model.num_params() + stored
+
+
 def load(spec: str, dtype: str = "float32", device: torch.device | str = "cpu", **kwargs) -> GPT:
     """``lab.weights.load_model`` with ``dtype`` one of ``WEIGHT_DTYPES`` (int8/int4: CPU only)."""
     from lab.weights import load_model
 
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"dtype: one of {', '.join(WEIGHT_DTYPES)}; got {dtype!r}")
+    if dtype in ("int8", "int4") and torch.device(device).type != "cpu":
+        raise ValueError(f"dtype {dtype}: weight-only quantization runs on the CPU, not {device}")
     if dtype not in ("int8", "int4"):
         return load_model(spec, dtype=getattr(torch, dtype), device=device, **kwargs)
     return quantize(load_model(spec, dtype=torch.bfloat16, device=device, **kwargs), dtype)

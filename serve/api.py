@@ -30,6 +30,7 @@ from litserve.loops.base import LitLoop
 from litserve.utils import LitAPIStatus, LoopResponseType, PickleableHTTPException
 
 from lab.model import GPT
+from lab.quantize import parameter_count
 from serve.engine import COUNTERS, Engine, Job, Tally, error_event
 from serve.schema import ModelLimits, PredictRequest, RequestError, resolve
 
@@ -90,7 +91,7 @@ class SharedState:
 
     def publish(self, model: GPT) -> None:
         cfg = model.config
-        self.model[:] = [cfg.n_layer, cfg.block_size, cfg.vocab_size, model.num_params()]
+        self.model[:] = [cfg.n_layer, cfg.block_size, cfg.vocab_size, parameter_count(model)]
 
     def limits(self) -> ModelLimits | None:
         n_layer, block_size, _, _ = self.model[:]

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -346,6 +346,10 @@ def _is_loopback(host: str) -> bool:
 def main(argv: list[str], model_factory: ModelFactory | None = None) -> int:
     parser = _parser()
     config = ServeConfig(**vars(parser.parse_args(argv[1:])))
+    if config.dtype in ("int8", "int4"):  # torch's weight-only kernels are CPU kernels
+        if config.accelerator not in ("auto", "cpu"):
+            parser.error(f"--dtype {config.dtype} runs on the CPU: use --accelerator cpu (or auto)")
+        config = replace(config, accelerator="cpu")
     for name in ("queue_timeout", "request_timeout", "drain_timeout"):
         if not 0 < getattr(config, name) < float("inf"):
             parser.error(f"--{name.replace('_', '-')} must be a positive number of seconds")

@@ -8,7 +8,8 @@ A batch of requests is split into groups that can run as one tensor:
 - generation under one fixed block set: one prefill and one KV cache for all rows, then one token
   per row per step. Prompts of different lengths are left-padded to the longest, with each row's
   positions counted from its first real token and a mask that hides the padding
-  (``GPT.residual_stream(padding=...)``), so every row computes what it would alone. A group's
+  (``GPT.residual_stream(padding=...)``), so every row computes what it would alone, up to rounding
+  (a batch multiplies matrices where one row multiplies a vector). A group's
   longest prompt plus its largest ``max_new_tokens`` must fit the context: jobs are packed into
   groups by prompt length until they would not.
 - adaptive exit decides per token and per position, so each such request runs alone, through
@@ -27,6 +28,7 @@ counts what happened through a ``Tally``.
 from __future__ import annotations
 
 import codecs
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -39,6 +41,8 @@ from lab import generate as lab_generate
 from lab import tokens
 from lab.blocks import BlockSet
 from lab.model import GPT, KVCache
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Job:
 
 COUNTERS = (
     "tokens_generated",
+    "batches_split",
     "requests_done",
     "requests_failed",
     "requests_cancelled",
@@ -432,15 +437,17 @@ class Engine:
             events = []
             alone: list[_Group] = []
             for group in groups:
-                events += group.retire()
-                if group.finished:
-                    continue
                 try:
+                    events += group.retire()
+                    if group.finished:
+                        continue
                     events += group.step()
                     group.began = True
                 except Exception as error:  # one group's failure must not end the others
                     split = group.split()
                     if split:  # its jobs run again, each alone, from the next tick
+                        logger.warning("a batch of %d failed (%r); each runs again alone", len(split), error)
+                        self.tally("batches_split", 1)
                         alone += split
                         group.members = []
                     else:

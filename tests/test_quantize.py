@@ -1,5 +1,7 @@
 """Weight-only int8/int4: each layer computes with the weights it claims to hold, and decoding works."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from lab.quantize import (
     QuantizedLinear,
     dequantize_int4,
     load,
+    parameter_count,
     quantize,
     quantize_groups_int4,
     quantize_rows_int8,
@@ -19,9 +22,9 @@ from lab.quantize import (
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=64, vocab_size=100, block_size=32)  # 100 rows: int4 pads to 112
 
 
-def tiny_model() -> GPT:
+def tiny_model(norm: str = "pre") -> GPT:
     torch.manual_seed(0)
-    return GPT(CFG).eval()
+    return GPT(replace(CFG, norm=norm)).eval()
 
 
 def test_int8_rows_round_trip_within_half_a_step():
@@ -68,14 +71,19 @@ def test_quantized_linear_is_the_product_with_its_dequantized_weight(bits, rows)
     assert relative < (0.01 if bits == 8 else 0.12)
 
 
+@pytest.mark.parametrize("norm", ["pre", "post"])
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_quantized_model_predicts_like_the_original(dtype):
-    model = tiny_model()
-    idx = torch.randint(0, CFG.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+def test_quantized_model_predicts_like_the_original(dtype, norm):
+    model = tiny_model(norm)
+    idx = torch.randint(0, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        reference = model(idx)  # [1, 20, V] fp32
-        quantized = quantize(tiny_model(), dtype)
+        reference = model(idx)  # [2, 20, V] fp32
+        quantized = quantize(tiny_model(norm), dtype)
         logits = quantized(idx).float()
+        # a strided view, as the server's prefill reads out its last positions: the kernels need dense rows
+        last = quantized.unembed(quantized.residual_stream(idx)[:, -1:]).float()  # [2, 1, V]
+    torch.testing.assert_close(last, logits[:, -1:], atol=1e-2, rtol=1e-2)
+    assert parameter_count(quantized) == model.num_params()
     assert quantized.read_out is not None
     assert not any(isinstance(m, Linear) for m in quantized.modules())
     error = (logits - reference).norm() / reference.norm()
@@ -113,3 +121,5 @@ def test_load_by_dtype_name(tmp_path):
         quantize(load(str(tmp_path), "int8"), "int8")
     with pytest.raises(ValueError, match="multiples of 32"):
         QuantizedLinear(torch.randn(32, 48), None, 4)
+    with pytest.raises(ValueError, match="runs on the CPU, not meta"):
+        load(str(tmp_path), "int4", device="meta")

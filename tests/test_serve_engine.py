@@ -1,6 +1,7 @@
 """The server's inference in-process: batched groups against ``lab.generate``, isolation, cancellation."""
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from lab import generate as lab_generate
 from lab import tokens
 from lab.blocks import BlockSet
+from lab.model import GPT
 from serve.api import BlockLabAPI, Rejection, SharedState
 from serve.engine import Engine, Job
 from serve.schema import PredictRequest
@@ -110,11 +112,15 @@ def test_groups_are_packed_to_fit_the_context(model):
 def test_a_quantized_model_serves_the_tokens_lab_generate_gives():
     from lab.quantize import quantize
 
-    model = quantize(TinyModel(n_layer=N_LAYER)("cpu"), "int4")  # what `blocklab serve --dtype int4` runs
-    jobs = [job("all"), job("exit=2", max_new_tokens=4)]
-    last, _ = run(Engine(model), jobs)
-    for position, one in enumerate(jobs):
-        assert last[position]["response"]["tokens"] == alone(model, one)
+    torch.manual_seed(0)
+    for norm in ("pre", "post"):
+        config = replace(TinyModel(n_layer=N_LAYER).config(), norm=norm)
+        model = quantize(GPT(config).eval(), "int4")  # what `blocklab serve --dtype int4` runs
+        jobs = [job("all"), job("all", prompt=PROMPT[:3]), job("exit=2", max_new_tokens=4)]
+        last, _ = run(Engine(model), jobs)
+        for position, one in enumerate(jobs):
+            assert last[position]["response"]["tokens"] == alone(model, one)
+        assert [last[p]["response"]["batch_size"] for p in range(3)] == [2, 2, 1]
 
 
 def test_right_padded_scoring_is_exact(model):
@@ -152,6 +158,22 @@ def test_a_failing_request_does_not_take_the_others_down(model):
     assert last[0]["event"] == "done" and last[2]["event"] == "done"
     assert last[0]["response"]["batch_size"] == 1  # it ran again alone
     assert last[0]["response"]["tokens"] == alone(model, job())
+
+
+def test_a_failure_after_the_first_step_ends_every_job_of_the_group(model):
+    """Once tokens went out a batch cannot start again: each of its jobs gets the error (500)."""
+    calls = {"n": 0}
+
+    def cancelled_then_broken() -> bool:
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise RuntimeError("broken client check")
+        return False
+
+    jobs = [job(cancelled=cancelled_then_broken), job(prompt=PROMPT[:2]), job("skip=1")]
+    last, _ = run(Engine(model), jobs)
+    assert [last[p]["event"] for p in range(3)] == ["error", "error", "done"]
+    assert last[0]["status"] == last[1]["status"] == 500 and "broken client check" in last[0]["message"]
 
 
 def test_a_cancelled_job_stops_without_another_event(model):
