@@ -46,6 +46,10 @@ from serve.schema import PredictResponse
 logger = logging.getLogger("blocklab.serve")
 
 
+MAX_HEADER_BYTES = 32 * 1024
+"""The request line and headers together (nginx's default buffers hold 32 kB); past it, 400."""
+
+
 @dataclass
 class ServeConfig:
     """Everything ``blocklab serve`` takes; each field is a command-line option of the same name."""
@@ -58,7 +62,7 @@ class ServeConfig:
     api_key: str | None = None
     """Require this key (X-API-Key or Authorization: Bearer) on every route but /health and the docs."""
     dtype: str = "float32"
-    """float32 | bfloat16 | float16 weights."""
+    """float32 | bfloat16 | float16 weights, or int8 | int4 weight-only quantized (CPU, lab.quantize)."""
     accelerator: str = "auto"
     """auto | cpu | cuda | mps (LitServe's)."""
     workers: int = 1
@@ -280,6 +284,10 @@ def serve(config: ServeConfig, model_factory: ModelFactory | None = None) -> Non
                 port=config.port,
                 log_level=config.log_level,
                 timeout_graceful_shutdown=config.drain_timeout,
+                # h11, not httptools: httptools takes headers of any size (20 MB were accepted), h11
+                # answers 400 once the request line and headers pass this many bytes.
+                http="h11",
+                h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             )
         ).run()
     finally:

@@ -107,6 +107,21 @@ def test_undecodable_body_and_oversized_body(client):
     )
 
 
+def test_oversized_headers_get_400_and_the_server_keeps_serving(client):
+    response = client.post("/predict", json={"prompt": PROMPT}, headers={"X-Padding": "a" * 1_000_000})
+    assert response.status_code == 400  # h11 stops reading past 32 kB: the header is never buffered whole
+    assert predict(client, prompt=PROMPT, max_new_tokens=1)["finish_reason"] == "length"
+
+
+def test_quantized_weights_are_refused_off_the_cpu_before_anything_starts(capsys):
+    from serve.app import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--dtype", "int4", "--accelerator", "cuda"])
+    assert exit_info.value.code == 2
+    assert "--dtype int4 runs on the CPU" in capsys.readouterr().err
+
+
 def test_api_key_is_required_everywhere_but_the_docs(server):
     for path in ("/predict", "/v1/completions"):
         assert httpx.post(server.url + path, json={"prompt": "a"}).status_code == 401
