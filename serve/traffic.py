@@ -3,6 +3,7 @@
     blocklab serve --model builtin &
     blocklab traffic --requests 32 --concurrency 4                     # the default block sets
     blocklab traffic --serve builtin                                   # start, measure, stop a server
+    blocklab traffic --serve gpt2-random --serve-dtype int4            # ... serving int4 weights
     blocklab traffic --prompts my_prompts.jsonl --block-sets all skip=5 exit=9 --duration 60 --json
 
 For each block set in turn, the same prompts (a text file with one prompt per line, a JSONL file
@@ -33,6 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lab import tokens
+from lab.quantize import WEIGHT_DTYPES
 from serve.testing import ServerProcess
 
 
@@ -343,6 +345,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="start `blocklab serve --model MODEL` on a free loopback port for this run, stop it after",
     )
+    add(
+        "--serve-dtype",
+        choices=WEIGHT_DTYPES,
+        default="float32",
+        help="the weights of the server --serve starts (int8 / int4: weight-only, see lab.quantize)",
+    )
     add("--api-key", default=None, help="the server's API key, if it has one")
     add(
         "--prompts",
@@ -419,8 +427,8 @@ def main(argv: list[str]) -> int:
     if args.serve is None:
         summaries, meta = asyncio.run(_run(args))
     else:
-        print(f"starting blocklab serve --model {args.serve} ...", file=sys.stderr)
-        with ServerProcess(["--model", args.serve]) as server:
+        print(f"starting blocklab serve --model {args.serve} --dtype {args.serve_dtype} ...", file=sys.stderr)
+        with ServerProcess(["--model", args.serve, "--dtype", args.serve_dtype]) as server:
             args.url = server.url
             summaries, meta = asyncio.run(_run(args))
     paths = write_results(summaries, args.out, meta)
