@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.blocks import BlockSet
-from lab.model import GPT, Block, KVCache
+from lab.model import GPT, Block, KVCache, Linear
 from lab.quantize import WEIGHT_DTYPES, load
 
 
@@ -85,15 +85,19 @@ def propagate_kv(block: Block, x: torch.Tensor, cache: tuple[torch.Tensor, torch
     """Write ``block``'s keys and values for stream ``x`` [B, T, D] at positions pos.. without running it.
 
     What the block's attention would have stored had the stream entered it unchanged (CALM's state
-    propagation for tokens that exited before this block). c_attn runs whole, as one product (it may
-    be a quantized one, see lab.quantize): its query third, 1/12 of a block's weights, is computed and
-    discarded.
+    propagation for tokens that exited before this block). Only the K and V columns of c_attn are
+    used; a quantized c_attn (lab.quantize), whose packed weights cannot be sliced, runs whole.
     """
     B, T, D = x.shape
-    attn = block.attn
+    attn, c_attn = block.attn, block.attn.c_attn
     H, Dh = attn.n_head, attn.head_dim
     h = block.ln_1(x) if block.norm == "pre" else x  # [B, T, D]
-    kv = attn.c_attn(h)[..., D:]  # [B, T, 2D] the keys and values
+    if isinstance(c_attn, Linear):
+        kv = h @ c_attn.weight[:, D:]  # [B, T, 2D]: the key and value columns of [D, 3D]
+        if c_attn.bias is not None:
+            kv = kv + c_attn.bias[D:]
+    else:
+        kv = c_attn(h)[..., D:]  # [B, T, 2D]
     k, v = kv.reshape(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4)  # 2 x [B, H, T, Dh]
     k_cache, v_cache = cache  # [B, H, T_max, Dh] each
     k_cache[:, :, pos : pos + T] = k

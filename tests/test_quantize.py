@@ -123,3 +123,20 @@ def test_load_by_dtype_name(tmp_path):
         QuantizedLinear(torch.randn(32, 48), None, 4)
     with pytest.raises(ValueError, match="runs on the CPU, not meta"):
         load(str(tmp_path), "int4", device="meta")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_propagated_keys_and_values_are_those_the_block_writes(dtype):
+    """Adaptive exit fills deeper blocks' K/V from the exit state; with quantized c_attn too."""
+    from lab.generate import propagate_kv
+    from lab.model import KVCache
+
+    model = quantize(tiny_model(), dtype)
+    x = torch.randn(1, 1, CFG.n_embd, dtype=torch.bfloat16)  # [1, 1, D] an exit state
+    ran, propagated = KVCache(CFG, dtype=torch.bfloat16), KVCache(CFG, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.blocks[2](x, ran.layer(2), pos=0)  # the block run: its attention stores K/V at 0
+        propagate_kv(model.blocks[2], x, propagated.layer(2), pos=0)
+    assert propagated.k[2].abs().sum() > 0
+    torch.testing.assert_close(propagated.k[2], ran.k[2])
+    torch.testing.assert_close(propagated.v[2], ran.v[2])
