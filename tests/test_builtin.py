@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lab import tokens
-from lab.builtin import Recipe, create_builtin, main, widen_vocabulary
+from lab.builtin import Recipe, create_builtin, format_report, main, widen_vocabulary
 from lab.config import GPTConfig
 from lab.model import GPT
 from lab.token_data import TokenDataModule, stdlib_files
@@ -68,4 +68,8 @@ def test_tiny_builtin_pipeline(tmp_path, monkeypatch, capsys):
     assert 0 < report["val_loss"] < 11  # below a uniform guess over 50257 tokens (10.8 nats)
     # a second `blocklab builtin` does not train again
     assert main(["builtin"]) == 0
-    assert "exists (train again with --force)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "exists (train again with --force)" in out
+    assert "short of the bigram count model" in out  # 4 steps do not beat counting pairs
+    trained = {**report, "val_loss": report["baselines"]["bigram"] - 0.5}
+    assert "short of the bigram" not in format_report(trained)
