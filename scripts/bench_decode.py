@@ -14,6 +14,8 @@ shared with other jobs slows all of them alike. Reports:
   buffer of the same size (on this machine the L3 cache is about as large as GPT-2 small's fp32
   weights, so "memory bandwidth" is that of reading such a buffer again and again, as decoding does);
 - ms/token with k of 12 blocks skipped, a linear fit (fixed part + per block), and the saving;
+- the split of a step: its matrix products alone (every Linear at one row, then the read-out, swept
+  in turn as a step runs them) and the rest, and the rate at which the products stream the weights;
 - the adaptive-exit check's cost per block, end to end (``adaptive=1.0`` checks after every block and
   never exits) and alone;
 - one position's unembedding: mv on the tied [V, D] table vs F.linear vs a transposed [D, V] copy;
@@ -36,8 +38,8 @@ import torch.nn.functional as F
 from lab import tokens
 from lab.blocks import BlockSet
 from lab.generate import Decoder, score, stability
-from lab.model import GPT
-from lab.quantize import load
+from lab.model import GPT, Linear
+from lab.quantize import QuantizedLinear, load
 from lab.token_data import stdlib_files
 from lab.weights import builtin_dir
 
@@ -108,6 +110,26 @@ def weight_bytes_per_token(model: GPT) -> int:
     one_row = {"wpe.weight"} | ({"wte.weight"} if model.read_out is not None else set())
     tensors = [*model.named_parameters(), *model.named_buffers()]
     return sum(t.numel() * t.element_size() for name, t in tensors if name not in one_row)
+
+
+@torch.inference_mode()
+def weights_ms(model: GPT, repeats: int = 7) -> float:
+    """ms of one decode step's matrix products alone: every Linear of the blocks at one row, in the
+    order a step runs them, then the read-out; best of ``repeats`` sweeps. The step's time minus this
+    is what the rest of it costs (norms, attention, additions, Python)."""
+    layers = [m for m in model.blocks.modules() if isinstance(m, (Linear, QuantizedLinear))]
+    dtype = model.wte.weight.dtype
+    widths = [m.in_features if isinstance(m, QuantizedLinear) else m.weight.size(0) for m in layers]
+    inputs = [torch.randn(1, 1, width, dtype=dtype) for width in widths]  # [1, 1, Din] each
+    read = torch.randn(1, 1, model.config.n_embd, dtype=dtype)  # [1, 1, D]
+
+    def sweep() -> None:
+        for layer, x in zip(layers, inputs, strict=True):
+            layer(x)
+        model.unembed(read)
+
+    sweep()
+    return min(_timed(sweep) for _ in range(repeats)) * 1e3
 
 
 @torch.inference_mode()
@@ -220,6 +242,7 @@ def main() -> None:
     weight_bytes = {dtype: weight_bytes_per_token(model) for dtype, model in models.items()}
     bandwidth = {dtype: read_bandwidth(n_bytes) for dtype, n_bytes in weight_bytes.items()}
     bound = {dtype: weight_bytes[dtype] / bandwidth[dtype] / 1e6 for dtype in models}  # ms
+    products = {dtype: weights_ms(model) for dtype, model in models.items()}
 
     # ms/token = fixed + per_block * blocks run: least squares over the skip measurements
     xs = [n - k for k in [0, *skips]]
@@ -243,6 +266,14 @@ def main() -> None:
         "read_bandwidth_gb_s": bandwidth,
         "bound_ms": bound,
         "ratio_to_bound": {dtype: ms[f"ours {dtype}"] / bound[dtype] for dtype in models},
+        "step_split_ms": {
+            dtype: {
+                "matrix_products": products[dtype],
+                "rest": ms[f"ours {dtype}"] - products[dtype],
+                "products_stream_gb_s": weight_bytes[dtype] / products[dtype] / 1e6,
+            }
+            for dtype in models
+        },
         "fit": {
             "fixed_ms": fixed,
             "per_block_ms": per_block,
