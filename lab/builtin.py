@@ -34,8 +34,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lab import tokens
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
+from lab.corpora import HELD_OUT_EVERY, stdlib_files
 from lab.model import GPT
-from lab.token_data import TokenDataModule, stdlib_files
+from lab.token_data import TokenDataModule
 from lab.train import STREAM_TRAINER_ARGS, LitGPT, learning_rate
 from lab.weights import FORMAT_FILE, build_model, builtin_dir, read_metadata, save_model
 
@@ -66,7 +67,7 @@ class Recipe:
     """Lightning precision ('32-true', 'bf16-mixed'); None: the faster of the two, measured here."""
     max_files: int | None = None
     """Use only the first files of the standard library (tests use a handful)."""
-    val_every: int = 20
+    val_every: int = HELD_OUT_EVERY
     """Every 20th file of the standard library is held out for validation."""
     eval_batches: int = 4
     """Validation batches (of batch_size windows of block_size tokens) for the report."""

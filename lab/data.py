@@ -24,16 +24,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lab.corpora import embedded_corpus
+
 
 class DataError(ValueError):
     """Unusable data or data settings; the message names the problem in one line."""
-
-
-def embedded_corpus() -> str:
-    """The help-topic text that ships with every CPython (~465 KB), topics joined in sorted order."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[name] for name in sorted(topics))
 
 
 def read_texts(paths: list[str]) -> str:

@@ -1,6 +1,6 @@
 """GPT-2-token data for the training lab: source files in, ``(x, y)`` batches in a compact vocabulary out.
 
-    dm = TokenDataModule(stdlib_files())      # the CPython standard library's own .py source
+    dm = TokenDataModule(stdlib_files())      # lab.corpora: the CPython standard library's own .py source
     dm.vocab_size                             # the distinct tokens that occur (~19k of GPT-2's 50257)
     dm.gpt2_ids                               # [vocab_size] compact id -> GPT-2 id
 
@@ -18,8 +18,6 @@ files. Batches come from ``lab.data``'s resumable random-window stream.
 
 from __future__ import annotations
 
-import os
-import sysconfig
 from pathlib import Path
 
 import lightning as L
@@ -27,23 +25,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lab import tokens
+from lab.corpora import HELD_OUT_EVERY
 from lab.data import DataError, EvenWindows, RandomWindows, StepSampler
-
-# Directories of the standard library that hold its test suites, left out of the corpus: they are
-# half its size and much of it is data (long literal tables) rather than code.
-_TEST_DIRS = {"test", "tests", "idle_test"}
-
-
-def stdlib_files(max_files: int | None = None) -> list[Path]:
-    """The standard library's ``.py`` files (no site-packages, no test suites), sorted by relative path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    excluded = {"site-packages", "__pycache__", *_TEST_DIRS}
-    found = []
-    for directory, subdirs, names in os.walk(root):
-        subdirs[:] = [d for d in subdirs if d not in excluded]  # prune: site-packages is large
-        found += [Path(directory, name) for name in names if name.endswith(".py")]
-    files = sorted(found, key=lambda p: p.relative_to(root).as_posix())
-    return files[:max_files] if max_files is not None else files
 
 
 def encode_files(paths: list[Path]) -> list[list[int]]:
@@ -63,7 +46,7 @@ class TokenDataModule(L.LightningDataModule):
         paths: list[str | Path],
         seq_len: int = 256,
         batch_size: int = 16,
-        val_every: int = 20,
+        val_every: int = HELD_OUT_EVERY,
         val_batches: int = 4,
         seed: int = 1,
     ):

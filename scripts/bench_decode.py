@@ -37,10 +37,10 @@ import torch.nn.functional as F
 
 from lab import tokens
 from lab.blocks import BlockSet
+from lab.corpora import held_out_stdlib_files
 from lab.generate import Decoder, score, stability
 from lab.model import GPT, Linear
 from lab.quantize import QuantizedLinear, load
-from lab.token_data import stdlib_files
 from lab.weights import builtin_dir
 
 LOW_PRECISION = ("bfloat16", "int8", "int4")
@@ -159,7 +159,7 @@ def held_out_windows(length: int, count: int = 4) -> list[tuple[str, list[int]]]
     """``length`` tokens from the middle (code, past the opening docstring) of the first ``count``
     held-out standard-library files (validation files of lab.builtin) that have twice that many."""
     windows = []
-    for path in stdlib_files()[::20]:
+    for path in held_out_stdlib_files():
         ids = tokens.encode(path.read_text(encoding="utf-8", errors="replace"))
         if len(ids) >= 2 * length:
             middle = len(ids) // 2

@@ -81,3 +81,19 @@ def test_table_is_markdown():
     assert lines[0] == "| name |     n |"
     assert lines[1] == "|------|------:|"
     assert lines[2] == "| a    | 1,234 |"
+
+
+def test_default_text_is_held_out_standard_library_source():
+    """GPT-2-token commands read standard-library source the builtin model never trained on."""
+    import argparse
+
+    from lab import tokens
+    from lab.corpora import held_out_stdlib_files, stdlib_files
+
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=tokens.VOCAB_SIZE, block_size=64))
+    ids, source = common.text_tokens(argparse.Namespace(text=None, tokens=1000), model)
+    first = held_out_stdlib_files()[0]
+    assert len(ids) == 64 and source.startswith(f"held-out standard-library source ({first.name}")
+    assert ids == tokens.encode(first.read_text(encoding="utf-8"))[:64]
+    held_out = set(held_out_stdlib_files())
+    assert first == stdlib_files()[0] and len(held_out) == len(stdlib_files()[::20])

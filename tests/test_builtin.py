@@ -6,8 +6,9 @@ import torch
 from lab import tokens
 from lab.builtin import Recipe, create_builtin, format_report, main, widen_vocabulary
 from lab.config import GPTConfig
+from lab.corpora import stdlib_files
 from lab.model import GPT
-from lab.token_data import TokenDataModule, stdlib_files
+from lab.token_data import TokenDataModule
 from lab.weights import load_model, read_metadata
 
 TINY = Recipe(

@@ -137,16 +137,28 @@ def load_model_from_args(args: argparse.Namespace) -> tuple[GPT, str]:
 # Text
 
 
-def embedded_corpus() -> str:
-    """CPython's pydoc help topics joined in sorted order: the same text as ``lab.data.embedded_corpus``,
-    read here directly so the measurement commands do not import Lightning."""
-    from pydoc_data.topics import topics
+def held_out_source(chars: int) -> tuple[str, str]:
+    """At least ``chars`` characters of the standard-library files the builtin model never trained on
+    (``lab.corpora.held_out_stdlib_files``), each followed by <|endoftext|> as in training; and their
+    names."""
+    from lab.corpora import held_out_stdlib_files
 
-    return "\n\n".join(topics[name] for name in sorted(topics))
+    parts, names = [], []
+    for path in held_out_stdlib_files():
+        parts.append(path.read_text(encoding="utf-8", errors="replace") + "<|endoftext|>")
+        names.append(path.name)
+        if sum(map(len, parts)) >= chars:
+            break
+    return "".join(parts), ", ".join(names)
 
 
 def add_text_args(p: argparse.ArgumentParser, *, tokens: int = 1024) -> None:
-    p.add_argument("--text", type=Path, default=None, help="UTF-8 text file (default: the embedded corpus)")
+    p.add_argument(
+        "--text",
+        type=Path,
+        default=None,
+        help="UTF-8 text file (default: standard-library source the builtin model never trained on)",
+    )
     p.add_argument(
         "--tokens",
         type=int,
@@ -164,11 +176,12 @@ def text_tokens(args: argparse.Namespace, model: GPT) -> tuple[list[int], str]:
             f"text needs a model with GPT-2's vocabulary ({tokens.VOCAB_SIZE}); "
             f"this one has vocab_size={model.config.vocab_size}"
         )
+    n = min(args.tokens, model.config.block_size)
     if args.text is None:
-        text, source = embedded_corpus(), "embedded corpus (pydoc_data.topics)"
+        text, names = held_out_source(8 * n + 1024)
+        source = f"held-out standard-library source ({names})"
     else:
         text, source = args.text.read_text(encoding="utf-8"), str(args.text)
-    n = min(args.tokens, model.config.block_size)
     # Encoding ~4 characters per token: no need to tokenise the whole corpus for the first n.
     ids = tokens.encode(text[: 8 * n + 1024], allow_endoftext=True)[:n]
     if len(ids) < 2:
