@@ -8,6 +8,7 @@ A spec string names a block set on the command line, in the server and in the tr
     overwrite=5         block 5's output is its own writes (attn_out + mlp_out), not stream + writes
     exit=6              run blocks 0..5, then ln_f and the unembedding (logit lens)
     adaptive=0.9        per token, stop once the prediction is judged stable (see lab.generate)
+    adaptive=0.9;check=probe   ... judged by the model's learned exit probe (lab.exit_probe)
 
 Parts combine with ';', e.g. ``skip=3;exit=9`` or ``adaptive=0.9;min=4``. Spec strings and
 ``BlockSet`` fields are validated against the model's depth, naming the field at fault.
@@ -40,6 +41,9 @@ class BlockSet:
     """Adaptive exit: stop a token once its stability score reaches this (0, 1]. None: off."""
     adaptive_min_blocks: int = 1
     """Adaptive exit never stops a token before this many blocks."""
+    adaptive_check: str = "cosine"
+    """What the threshold applies to: 'cosine' (state saturation, any model) or 'probe' (the
+    probability of the model's exit probe, lab.exit_probe)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "skip", frozenset(self.skip))
@@ -80,6 +84,10 @@ class BlockSet:
                 )
             if self.exit_at is not None:
                 raise ValueError("exit_at: cannot be combined with adaptive exit")
+        if self.adaptive_check not in ("cosine", "probe"):
+            raise ValueError(f"adaptive_check: 'cosine' or 'probe', got {self.adaptive_check!r}")
+        if self.adaptive_check != "cosine" and not self.is_adaptive:
+            raise ValueError("adaptive_check: needs adaptive=THRESHOLD")
         return self
 
     def blocks_to_run(self, n_layer: int) -> list[int]:
@@ -105,6 +113,8 @@ class BlockSet:
                 keep = _index_list(value, "keep")
             elif key == "overwrite":
                 kwargs["overwrite"] = frozenset(_index_list(value, "overwrite"))
+            elif key == "check":
+                kwargs["adaptive_check"] = value.strip()
             elif key in ("exit", "adaptive", "min"):
                 name, kind = {
                     "exit": ("exit_at", int),
@@ -117,7 +127,8 @@ class BlockSet:
                     raise ValueError(f"{name}: expected a number, got {value!r}") from None
             else:
                 raise ValueError(
-                    f"block set: unknown key {key!r} (known: skip, keep, overwrite, exit, adaptive, min)"
+                    f"block set: unknown key {key!r} "
+                    "(known: skip, keep, overwrite, exit, adaptive, min, check)"
                 )
         if keep is not None:
             if "skip" in kwargs:
@@ -137,4 +148,6 @@ class BlockSet:
             parts.append(f"adaptive={self.adaptive_threshold:g}")
             if self.adaptive_min_blocks != 1:
                 parts.append(f"min={self.adaptive_min_blocks}")
+            if self.adaptive_check != "cosine":
+                parts.append(f"check={self.adaptive_check}")
         return ";".join(parts) or "all"

@@ -35,10 +35,12 @@ from lab import tokens
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
 from lab.corpora import HELD_OUT_EVERY, stdlib_files
+from lab.exit_probe import FILE as EXIT_PROBE_FILE
+from lab.exit_probe import ExitProbe, fit_exit_probe, load_exit_probe, save_exit_probe
 from lab.model import GPT
 from lab.token_data import TokenDataModule
 from lab.train import STREAM_TRAINER_ARGS, LitGPT, learning_rate
-from lab.weights import FORMAT_FILE, build_model, builtin_dir, read_metadata, save_model
+from lab.weights import FORMAT_FILE, build_model, builtin_dir, load_model, read_metadata, save_model
 
 
 @dataclass
@@ -263,6 +265,7 @@ def create_builtin(recipe: Recipe | None = None, directory: Path | None = None) 
 
 def _create(recipe: Recipe, directory: Path) -> dict:
     started = time.perf_counter()
+    (directory / EXIT_PROBE_FILE).unlink(missing_ok=True)  # a previous model's probe must not outlive it
     files = stdlib_files(recipe.max_files)
     dm = TokenDataModule(
         files, seq_len=recipe.block_size, batch_size=recipe.batch_size, val_every=recipe.val_every,
@@ -293,7 +296,7 @@ def _create(recipe: Recipe, directory: Path) -> dict:
     torch.set_num_threads(threads)
     # The evaluation at the end: a validation batch forward is ~1/3 of a step, for each of n_layer + 2
     # passes (the widened model once, the compact one with each block skipped), and the baselines.
-    evaluation = 0.5 * recipe.eval_batches * (recipe.n_layer + 2) * step_seconds + 5
+    evaluation = 0.5 * recipe.eval_batches * (recipe.n_layer + 2) * step_seconds + 5 + PROBE_SECONDS
     train_seconds = recipe.minutes * 60 - (time.perf_counter() - started) - evaluation
     max_steps = recipe.max_steps or max(int(train_seconds / step_seconds), 10)
     print(
@@ -351,10 +354,44 @@ def _create(recipe: Recipe, directory: Path) -> dict:
             "recipe": dataclasses.asdict(recipe),
             **evaluate(model, compact, dm),
         }
+        probe = fit_probe(model, files)
         report["total_seconds"] = round(time.perf_counter() - started, 1)
         save_model(model, directory, metadata=report)
+        save_exit_probe(probe, directory)
         shutil.copytree(logs, directory / "logs", dirs_exist_ok=True)  # TensorBoard: train/loss, val/loss
     return report
+
+
+PROBE_WINDOWS = 32
+"""Windows of the model's context from training files that the exit probe is fitted on."""
+PROBE_SECONDS = 30
+"""What fitting the probe takes on 2 cores (reserved from the training budget)."""
+
+
+def probe_windows(files: list[Path], length: int, count: int = PROBE_WINDOWS) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens from the middle of training files (never held-out ones),
+    spread over the standard library."""
+    training = [path for i, path in enumerate(files) if i % HELD_OUT_EVERY != 0]
+    windows = []
+    for path in training[:: max(len(training) // (2 * count), 1)]:
+        ids = tokens.encode(path.read_text(encoding="utf-8", errors="replace"))
+        if len(ids) >= 2 * length:
+            windows.append(ids[len(ids) // 3 : len(ids) // 3 + length])
+        if len(windows) == count:
+            break
+    return windows
+
+
+def fit_probe(model: GPT, files: list[Path]) -> ExitProbe:
+    """The model's exit probe (lab.exit_probe), fitted on windows of the training files."""
+    started = time.perf_counter()
+    windows = probe_windows(files, model.config.block_size)
+    if not windows:
+        raise ValueError(f"no training file has {2 * model.config.block_size} tokens for the exit probe")
+    probe = fit_exit_probe(model, windows)
+    seconds = time.perf_counter() - started
+    print(f"exit probe: fitted on {len(windows)} windows in {seconds:.0f} s", file=sys.stderr)
+    return probe
 
 
 def format_report(report: dict) -> str:
@@ -389,7 +426,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv[1:])
     directory = builtin_dir()
     if (directory / FORMAT_FILE).exists() and not args.force:
-        print(f"{directory} exists (train again with --force)\n{format_report(read_metadata(directory))}")
+        report = read_metadata(directory)
+        if load_exit_probe(directory) is None:  # made before the probe existed: fit it now
+            probe = fit_probe(load_model("builtin"), stdlib_files(report["recipe"]["max_files"]))
+            save_exit_probe(probe, directory)
+        print(f"{directory} exists (train again with --force)\n{format_report(report)}")
         return 0
     report = create_builtin(Recipe(max_steps=args.steps, minutes=args.minutes), directory)
     print(f"saved to {directory}\n{format_report(report)}")

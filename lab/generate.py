@@ -13,6 +13,9 @@ decides per generated token how deep to go:
   turned the prediction's direction, and the token is read out from there. The check costs one
   LayerNorm and a dot product over the width D, against a block's 12 D^2 multiply-adds: no
   50k-wide unembedding per block. ``scripts/bench_decode.py`` measures its cost per block.
+  With ``check=probe`` the threshold applies instead to the model's learned exit probe
+  (``lab.exit_probe``, CALM's trained confidence): the probability that the read-out here already
+  picks the token the full stack would, at the same cost (a dot product over ``ln_f``'s output).
 - State propagation: a token that exited after block e still leaves keys and values at blocks
   e+1.. for the tokens after it. They are computed from its exit state, ``c_attn(ln_1(h_e))`` of each
   deeper block (CALM's propagation), so later tokens that do go deep attend to every earlier
@@ -81,6 +84,24 @@ def stability(read_now: torch.Tensor, read_before: torch.Tensor) -> torch.Tensor
     return F.cosine_similarity(read_now, read_before, dim=-1)
 
 
+def exit_score(
+    model: GPT, block_set: BlockSet, block: int, read_now: torch.Tensor, read_before: torch.Tensor
+) -> torch.Tensor:
+    """What the adaptive threshold applies to after ``block``, per position [...]: the exit probe's
+    probability (``check=probe``) or the cosine of consecutive reads. reads [..., D]."""
+    if block_set.adaptive_check == "probe":
+        return model.exit_probe(read_now, block)
+    return stability(read_now, read_before)
+
+
+def require_exit_probe(model: GPT, block_set: BlockSet) -> None:
+    if block_set.adaptive_check == "probe" and model.exit_probe is None:
+        raise ValueError(
+            "blocks: check=probe needs the model's exit probe (lab.exit_probe), and this model has "
+            "none; `blocklab builtin` fits one for the builtin model"
+        )
+
+
 def propagate_kv(block: Block, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], pos: int) -> None:
     """Write ``block``'s keys and values for stream ``x`` [B, T, D] at positions pos.. without running it.
 
@@ -111,6 +132,7 @@ class Decoder:
         self.model = model
         self.cfg = model.config
         self.block_set = (block_set or BlockSet()).validate(self.cfg.n_layer)
+        require_exit_probe(model, self.block_set)
         self.blocks = self.block_set.blocks_to_run(self.cfg.n_layer)
         weight = model.wte.weight
         self.cache = KVCache(self.cfg, max_len=max_len, device=weight.device, dtype=weight.dtype)
@@ -160,7 +182,7 @@ class Decoder:
             x = model.blocks[i](x, self.cache.layer(i), pos, overwrite=i in block_set.overwrite)
             if checking:
                 read_now = model.ln_f(x)  # [1, 1, D]
-                if float(stability(read_now, read_before)) >= threshold:
+                if float(exit_score(model, block_set, i, read_now, read_before)) >= threshold:
                     break
                 read_before = read_now
         for i in self.blocks[ran:]:  # exited early: deeper blocks still need this position's K/V
@@ -247,6 +269,7 @@ def adaptive_forward(
     if B != 1:
         raise ValueError(f"adaptive_forward: batch size 1 only, got {B}")
     block_set = block_set.validate(model.config.n_layer)
+    require_exit_probe(model, block_set)
     blocks = block_set.blocks_to_run(model.config.n_layer)
     x = model.embed_tokens(idx)  # [1, T, D]
     active = torch.ones(T, dtype=torch.bool, device=idx.device)  # [T] still going deeper
@@ -262,7 +285,7 @@ def adaptive_forward(
         depth += active.cpu()
         if checking:
             read_now = model.ln_f(x)  # [1, T, D]
-            stable = stability(read_now, read_before)[0] >= block_set.adaptive_threshold  # [T]
+            stable = exit_score(model, block_set, i, read_now, read_before)[0] >= block_set.adaptive_threshold
             active &= ~(stable & may_exit)
             read_before = read_now
     return model.unembed(x), [blocks[:d] for d in depth.tolist()]

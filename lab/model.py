@@ -249,6 +249,7 @@ class GPT(nn.Module):
         else:
             self.ln_f = nn.Identity()
         self.read_out: nn.Module | None = None  # a quantized copy of the tied table (lab.quantize)
+        self.exit_probe = None  # lab.exit_probe.ExitProbe: adaptive exit's learned check, fitted per model
         self.apply(self._init_weights)
         # GPT-2: scale the projections that write into the stream by 1/sqrt(2L), so the stream's
         # variance does not grow with depth at initialisation.

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lab.config import GPTConfig
+from lab.exit_probe import load_exit_probe
 from lab.model import GPT
 
 FORMAT_FILE = "blocklab.json"
@@ -290,6 +291,7 @@ def load_model(
 ) -> GPT:
     """A GPT in eval mode from a spec (see the module docstring). ``attention``: 'eager' | 'sdpa' override."""
     overrides = {} if attention is None else {"attention": attention}
+    ours = None  # a directory in our format: it may hold an exit probe (lab.exit_probe) too
     if spec == "gpt2-random":
         return random_model("gpt2", dtype=dtype, device=device, **overrides)
     if spec == "builtin":
@@ -300,10 +302,12 @@ def load_model(
                 "once (about 10 minutes on 2 CPU cores), or set BLOCKLAB_CACHE to where it lives"
             )
         cfg, state = _load_ours(directory)
+        ours = directory
     else:
         path = Path(spec).expanduser()
         if path.is_dir() and (path / FORMAT_FILE).exists():
             cfg, state = _load_ours(path)
+            ours = path
         elif path.is_dir() and (path / "config.json").exists():
             cfg, state = _load_hf_dir(path)
         elif path.is_file():
@@ -315,4 +319,7 @@ def load_model(
         else:
             raise FileNotFoundError(f"{spec}: no such file or directory")
     cfg = dataclasses.replace(cfg, dropout=0.0, **overrides)
-    return build_model(cfg, state, spec, dtype=dtype, device=device)
+    model = build_model(cfg, state, spec, dtype=dtype, device=device)
+    if ours is not None and (probe := load_exit_probe(ours)) is not None:
+        model.exit_probe = probe.to(device)
+    return model

@@ -69,7 +69,7 @@ class SharedState:
 
     def __init__(self, max_in_flight: int):
         context = mp.get_context("spawn")
-        self.model = context.RawArray(ctypes.c_int64, 4)
+        self.model = context.RawArray(ctypes.c_int64, 5)
         self.cancelled = context.RawArray(ctypes.c_int64, max_in_flight)
         self.counters = context.RawArray(ctypes.c_int64, self.MAX_WORKERS * len(COUNTERS))
 
@@ -91,19 +91,21 @@ class SharedState:
 
     def publish(self, model: GPT) -> None:
         cfg = model.config
-        self.model[:] = [cfg.n_layer, cfg.block_size, cfg.vocab_size, parameter_count(model)]
+        has_probe = int(model.exit_probe is not None)
+        self.model[:] = [cfg.n_layer, cfg.block_size, cfg.vocab_size, parameter_count(model), has_probe]
 
     def limits(self) -> ModelLimits | None:
-        n_layer, block_size, _, _ = self.model[:]
-        return ModelLimits(n_layer=n_layer, block_size=block_size) if n_layer else None
+        n_layer, block_size, _, _, has_probe = self.model[:]
+        return ModelLimits(n_layer, block_size, exit_probe=bool(has_probe)) if n_layer else None
 
     def model_info(self) -> dict:
-        n_layer, block_size, vocab_size, n_params = self.model[:]
+        n_layer, block_size, vocab_size, n_params, has_probe = self.model[:]
         return {
             "depth": n_layer,
             "context_length": block_size,
             "vocab_size": vocab_size,
             "parameters": n_params,
+            "exit_probe": bool(has_probe),
         }
 
 
@@ -162,9 +164,9 @@ class BlockLabAPI(ls.LitAPI):
     def load(self, device: str) -> None:
         """The model and its engine in this process (``setup`` without the worker's process setup)."""
         self.model = self.model_factory(device).eval()
-        self.limits = ModelLimits(n_layer=self.model.config.n_layer, block_size=self.model.config.block_size)
         self.engine = Engine(self.model)
         self.shared.publish(self.model)
+        self.limits = self.shared.limits()
 
     def decode_request(self, request: PredictRequest) -> Job | Rejection:
         """A job for the engine. Never raises for one bad request: that would fail its whole batch."""

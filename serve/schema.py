@@ -22,7 +22,9 @@ MAX_NEW_TOKENS = 8192
 MAX_BLOCK_INDICES = 1024
 MIN_TEMPERATURE = 1e-6
 """Below it (and above 0) a float32 logit divided by the temperature overflows: NaN probabilities."""
-BLOCK_FIELDS = ("skip", "keep", "overwrite", "exit_at", "adaptive", "adaptive_min_blocks")
+BLOCK_FIELDS = (
+    "skip", "keep", "overwrite", "exit_at", "adaptive", "adaptive_min_blocks", "adaptive_check"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ class PredictRequest(BaseModel):
     exit_at: int | None = Field(None, ge=1, description="Run blocks 0..exit_at-1, then read out.")
     adaptive: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description="Exit threshold.")
     adaptive_min_blocks: int | None = Field(None, ge=1)
+    adaptive_check: Literal["cosine", "probe"] | None = Field(
+        None, description="What the threshold applies to: cosine (state saturation) or the exit probe."
+    )
 
     # Stamped by the server on admission; travels with the request to the worker, never from clients.
     _admission: Admission | None = PrivateAttr(None)
@@ -94,6 +99,8 @@ class PredictRequest(BaseModel):
             raise ValueError("exit_at: cannot be combined with adaptive exit")
         if self.adaptive_min_blocks is not None and self.adaptive is None:
             raise ValueError("adaptive_min_blocks: only meaningful with adaptive")
+        if self.adaptive_check is not None and self.adaptive is None:
+            raise ValueError("adaptive_check: only meaningful with adaptive")
         return self
 
     def admit(self, admission: Admission) -> None:
@@ -110,6 +117,8 @@ class ModelLimits:
 
     n_layer: int
     block_size: int
+    exit_probe: bool = False
+    """Whether the model has an exit probe (lab.exit_probe), which ``check=probe`` needs."""
 
 
 class RequestError(ValueError):
@@ -133,6 +142,7 @@ _BLOCKSET_TO_REQUEST_FIELD = {
     "exit_at": "exit_at",
     "adaptive_threshold": "adaptive",
     "adaptive_min_blocks": "adaptive_min_blocks",
+    "adaptive_check": "adaptive_check",
 }
 
 
@@ -156,6 +166,7 @@ def resolve_block_set(request: PredictRequest, n_layer: int) -> BlockSet:
             "exit_at": request.exit_at,
             "adaptive_threshold": request.adaptive,
             "adaptive_min_blocks": request.adaptive_min_blocks or 1,
+            "adaptive_check": request.adaptive_check or "cosine",
         }
         if request.keep is not None:
             return BlockSet.keep(request.keep, n_layer, **options).validate(n_layer)
@@ -178,6 +189,9 @@ class Resolved:
 def resolve(request: PredictRequest, limits: ModelLimits) -> Resolved:
     """Tokenise the prompt and check the request against the model; RequestError names the field."""
     block_set = resolve_block_set(request, limits.n_layer)
+    if block_set.adaptive_check == "probe" and not limits.exit_probe:
+        field = "blocks" if request.blocks is not None else "adaptive_check"
+        raise RequestError(field, "check=probe needs an exit probe (lab.exit_probe); this model has none")
     prompt_tokens = tokens.encode(request.prompt, allow_endoftext=True)
     if len(prompt_tokens) > limits.block_size:
         raise RequestError(

@@ -72,11 +72,13 @@ class Summary:
     first_error: str | None
 
 
-def default_block_sets(n_layer: int) -> list[str]:
+def default_block_sets(n_layer: int, exit_probe: bool = False) -> list[str]:
     """``all``, one middle block skipped, three skipped, exits at 1/2 and 3/4 depth, adaptive exit.
 
-    For 12 blocks: all, skip=5, skip=3,4,5, exit=6, exit=9, adaptive=0.98 (on the builtin model the
-    useful thresholds lie in 0.98-0.995, docs/inference.md).
+    For 12 blocks: all, skip=5, skip=3,4,5, exit=6, exit=9, and adaptive exit: with the model's exit
+    probe ``adaptive=0.8;min=2;check=probe`` (on the builtin model half the blocks, for under half the
+    loss a fixed exit at that depth costs), else ``adaptive=0.98`` (state saturation; on the
+    builtin model its useful thresholds lie in 0.98-0.995). docs/inference.md has the numbers.
     """
     middle = max(0, n_layer // 2 - 1)
     three = sorted({max(0, middle - 2), max(0, middle - 1), middle})
@@ -86,7 +88,7 @@ def default_block_sets(n_layer: int) -> list[str]:
         "skip=" + ",".join(map(str, three)),
         f"exit={max(1, n_layer // 2)}",
         f"exit={max(1, 3 * n_layer // 4)}",
-        "adaptive=0.98",
+        "adaptive=0.8;min=2;check=probe" if exit_probe else "adaptive=0.98",
     ]
     return list(dict.fromkeys(specs))  # small models repeat some; keep the first of each
 
@@ -383,7 +385,7 @@ async def _run(args: argparse.Namespace) -> tuple[list[Summary], dict]:
         base_url=args.url, headers=headers, timeout=timeout, limits=limits
     ) as client:
         info = (await client.get("/info")).raise_for_status().json()["model"]
-        block_sets = args.block_sets or default_block_sets(info["depth"])
+        block_sets = args.block_sets or default_block_sets(info["depth"], info.get("exit_probe", False))
         room = info["context_length"] - args.max_new_tokens
         if room < 2:
             raise SystemExit(f"--max-new-tokens {args.max_new_tokens} leaves no room in a context of {room}")

@@ -67,8 +67,11 @@ def test_tiny_builtin_pipeline(tmp_path, monkeypatch, capsys):
     assert read_metadata(tmp_path / "builtin")["val_loss"] == pytest.approx(report["val_loss"])
     assert (tmp_path / "builtin" / "logs").is_dir()
     assert 0 < report["val_loss"] < 11  # below a uniform guess over 50257 tokens (10.8 nats)
-    # a second `blocklab builtin` does not train again
+    assert model.exit_probe is not None and model.exit_probe.weight.shape == (2, model.config.n_embd)
+    # a second `blocklab builtin` does not train again; it fits the exit probe if the model lacks one
+    (tmp_path / "builtin" / "exit_probe.safetensors").unlink()
     assert main(["builtin"]) == 0
+    assert load_model("builtin").exit_probe is not None
     out = capsys.readouterr().out
     assert "exists (train again with --force)" in out
     assert "short of the bigram count model" in out  # 4 steps do not beat counting pairs

@@ -207,6 +207,15 @@ def test_streamed_pieces_add_up_to_the_text(model):
     assert text.startswith("".join(pieces)) and len(pieces) == 12
 
 
+def probed_tiny_model(device: str) -> GPT:
+    """TinyModel with an exit probe that is never sure: adaptive exit with check=probe runs every block."""
+    from lab.exit_probe import ExitProbe
+
+    model = TinyModel(n_layer=N_LAYER, block_size=32)(device)
+    model.exit_probe = ExitProbe(torch.zeros(N_LAYER, model.config.n_embd), torch.full((N_LAYER,), -20.0))
+    return model
+
+
 def test_decode_request_rejects_what_does_not_fit_the_model():
     api = BlockLabAPI(TinyModel(n_layer=N_LAYER, block_size=32), SharedState(max_in_flight=4))
     api.load("cpu")
@@ -215,6 +224,22 @@ def test_decode_request_rejects_what_does_not_fit_the_model():
     assert isinstance(rejected, Rejection) and rejected.status == 422 and "exit_at" in rejected.message
     too_long = api.decode_request(PredictRequest(prompt="word " * 40, max_new_tokens=1))
     assert isinstance(too_long, Rejection) and "context length" in too_long.message
+    for request, field in [
+        (PredictRequest(prompt="hello there", blocks="adaptive=0.9;check=probe"), "blocks"),
+        (PredictRequest(prompt="hello there", adaptive=0.9, adaptive_check="probe"), "adaptive_check"),
+    ]:  # TinyModel has no exit probe
+        no_probe = api.decode_request(request)
+        assert isinstance(no_probe, Rejection) and no_probe.status == 422
+        assert no_probe.message.startswith(f"{field}: check=probe needs an exit probe")
+    assert api.shared.model_info()["exit_probe"] is False
+    with_probe = BlockLabAPI(probed_tiny_model, SharedState(max_in_flight=4))
+    with_probe.load("cpu")
+    spec = "adaptive=0.9;check=probe"
+    probed = with_probe.decode_request(PredictRequest(prompt="hello there", blocks=spec))
+    assert isinstance(probed, Job) and with_probe.shared.model_info()["exit_probe"] is True
+    events = [event for tick in with_probe.predict([probed]) for _, event in tick]
+    assert events[-1]["event"] == "done" and events[-1]["response"]["block_set"] == spec
+    assert set(events[-1]["response"]["blocks_per_token"]) == {N_LAYER}  # the probe is never sure
     accepted = api.decode_request(PredictRequest(prompt="hello there", blocks="skip=0"))
     assert isinstance(accepted, Job) and accepted.block_set == BlockSet(skip=frozenset({0}))
     events = [event for tick in api.predict([rejected, accepted]) for event in tick]

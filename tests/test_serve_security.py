@@ -193,7 +193,7 @@ def test_request_models_bound_every_size():
 REQUEST_FIELDS = {
     # /predict
     "id", "prompt", "max_new_tokens", "temperature", "top_k", "seed", "stream", "score", "blocks",
-    "skip", "keep", "overwrite", "exit_at", "adaptive", "adaptive_min_blocks",
+    "skip", "keep", "overwrite", "exit_at", "adaptive", "adaptive_min_blocks", "adaptive_check",
     # the OpenAI routes
     "model", "max_tokens", "stream_options", "include_usage", "user", "top_p", "n", "stop",
     "presence_penalty", "frequency_penalty", "logit_bias", "echo", "logprobs", "best_of", "suffix",

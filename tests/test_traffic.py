@@ -22,6 +22,7 @@ def test_default_block_sets_follow_the_depth():
         "exit=9",
         "adaptive=0.98",
     ]
+    assert traffic.default_block_sets(12, exit_probe=True)[-1] == "adaptive=0.8;min=2;check=probe"
     small = traffic.default_block_sets(2)
     assert len(small) == len(set(small)) and small[0] == "all"
 

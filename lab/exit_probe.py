@@ -1,0 +1,94 @@
+"""A learned check for adaptive exit: per block, the probability that the read-out there already picks
+the token the full stack would pick (CALM's trained confidence, Schuster et al. 2022).
+
+    probe = fit_exit_probe(model, windows)   # a minute on 2 cores for the builtin model
+    save_exit_probe(probe, directory)        # exit_probe.safetensors beside the weights
+    # blocks "adaptive=0.9;check=probe": exit once the probe says 0.9
+
+State saturation (the default check, ``lab.generate.stability``) asks whether the stream stopped
+turning; it turns by a few degrees per block all the way up, so its cosine crosses a threshold at
+about the same depth for every token. The probe asks the question exit needs answered, learned from
+the model itself: it reads the same ``ln_f`` output, one logistic regression per block (D weights
+and a bias), so a check costs a dot product over the width, like the cosine.
+
+Fitting needs no labels from outside: on training text, the model's own top-1 at each block is
+compared with its top-1 at the last block. The probe is a pair of tensors, not a module of the model:
+the weights' files and state dicts stay the model's alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from lab.hooks import capture
+from lab.model import GPT
+
+FILE = "exit_probe.safetensors"
+
+
+@dataclass
+class ExitProbe:
+    """weight [L, D] and bias [L]: P(top-1 after block i == final top-1) = sigmoid(read . w_i + b_i)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+    def __call__(self, read: torch.Tensor, block: int) -> torch.Tensor:
+        """read: ln_f of the stream after ``block``, [..., D] -> probability [...]."""
+        return torch.sigmoid(read.float() @ self.weight[block] + self.bias[block])
+
+    def to(self, device: torch.device | str) -> ExitProbe:
+        return ExitProbe(self.weight.to(device), self.bias.to(device))
+
+
+@torch.no_grad()
+def exit_features(model: GPT, window: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For one window of tokens: reads [L, T, D] (ln_f after each block) and labels [L, T] (1 where
+    that block's top-1 equals the last block's)."""
+    n_layer = model.config.n_layer
+    names = [f"blocks.{i}.resid_post" for i in range(n_layer)]
+    with capture(model, names) as seen:
+        model.residual_stream(torch.tensor([window], device=model.wte.weight.device))
+    reads = torch.stack([model.ln_f(seen[name])[0] for name in names])  # [L, T, D]
+    top = torch.stack([model.unembed(seen[name])[0].argmax(-1) for name in names])  # [L, T], block by block
+    return reads.float(), (top == top[-1]).float()
+
+
+def fit_exit_probe(model: GPT, windows: list[list[int]], l2: float = 1e-3, max_iter: int = 200) -> ExitProbe:
+    """Fit the probe on ``windows`` of tokens (training text): L-BFGS on the logistic loss, per block."""
+    features = [exit_features(model, window) for window in windows]
+    reads = torch.cat([r for r, _ in features], dim=1)  # [L, N, D]
+    labels = torch.cat([y for _, y in features], dim=1)  # [L, N]
+    n_layer, _, width = reads.shape
+    params = torch.zeros(n_layer, width + 1, requires_grad=True)  # weights and bias per block
+    optimizer = torch.optim.LBFGS([params], max_iter=max_iter, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        logits = torch.einsum("lnd,ld->ln", reads, params[:, :-1]) + params[:, -1:]  # [L, N]
+        loss = F.binary_cross_entropy_with_logits(logits, labels) + l2 * params[:, :-1].pow(2).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        optimizer.step(closure)
+    params = params.detach()
+    return ExitProbe(weight=params[:, :-1].contiguous(), bias=params[:, -1].contiguous())
+
+
+def save_exit_probe(probe: ExitProbe, directory: Path) -> None:
+    save_file({"weight": probe.weight.cpu(), "bias": probe.bias.cpu()}, str(Path(directory) / FILE))
+
+
+def load_exit_probe(directory: Path) -> ExitProbe | None:
+    """The probe saved in ``directory``, or None when there is none."""
+    path = Path(directory) / FILE
+    if not path.exists():
+        return None
+    tensors = load_file(str(path))
+    return ExitProbe(weight=tensors["weight"], bias=tensors["bias"])
