@@ -39,8 +39,10 @@ class ExitProbe:
     bias: torch.Tensor
 
     def __call__(self, read: torch.Tensor, block: int) -> torch.Tensor:
-        """read: ln_f of the stream after ``block``, [..., D] -> probability [...]."""
-        return torch.sigmoid(read.float() @ self.weight[block] + self.bias[block])
+        """read: ln_f of the stream after ``block``, [..., D] -> probability [...]. Computed in fp32
+        on the read's device (the probe is not a module of the model: ``model.to`` does not move it)."""
+        weight, bias = self.weight[block].to(read.device), self.bias[block].to(read.device)
+        return torch.sigmoid(read.float() @ weight + bias)
 
     def to(self, device: torch.device | str) -> ExitProbe:
         return ExitProbe(self.weight.to(device), self.bias.to(device))
@@ -85,10 +87,17 @@ def save_exit_probe(probe: ExitProbe, directory: Path) -> None:
     save_file({"weight": probe.weight.cpu(), "bias": probe.bias.cpu()}, str(Path(directory) / FILE))
 
 
-def load_exit_probe(directory: Path) -> ExitProbe | None:
-    """The probe saved in ``directory``, or None when there is none."""
+def load_exit_probe(directory: Path, model: GPT | None = None) -> ExitProbe | None:
+    """The probe saved in ``directory``, or None when there is none; checked against ``model``'s shape."""
     path = Path(directory) / FILE
     if not path.exists():
         return None
     tensors = load_file(str(path))
-    return ExitProbe(weight=tensors["weight"], bias=tensors["bias"])
+    probe = ExitProbe(weight=tensors["weight"], bias=tensors["bias"])
+    if model is not None:
+        wanted = (model.config.n_layer, model.config.n_embd)
+        if tuple(probe.weight.shape) != wanted or tuple(probe.bias.shape) != wanted[:1]:
+            raise ValueError(
+                f"{path}: a probe for {tuple(probe.weight.shape)} (blocks, width), the model is {wanted}"
+            )
+    return probe

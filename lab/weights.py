@@ -320,6 +320,6 @@ def load_model(
             raise FileNotFoundError(f"{spec}: no such file or directory")
     cfg = dataclasses.replace(cfg, dropout=0.0, **overrides)
     model = build_model(cfg, state, spec, dtype=dtype, device=device)
-    if ours is not None and (probe := load_exit_probe(ours)) is not None:
+    if ours is not None and (probe := load_exit_probe(ours, model)) is not None:
         model.exit_probe = probe.to(device)
     return model

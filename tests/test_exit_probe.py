@@ -69,6 +69,9 @@ def test_load_model_brings_the_probe_of_its_directory(tmp_path, model):
     assert load_model(str(tmp_path)).exit_probe is None
     save_exit_probe(constant_probe(1.0), tmp_path)
     assert load_model(str(tmp_path)).exit_probe.bias.tolist() == [1.0] * CFG.n_layer
+    save_exit_probe(ExitProbe(torch.zeros(3, CFG.n_embd), torch.zeros(3)), tmp_path)  # another depth
+    with pytest.raises(ValueError, match=r"a probe for \(3, 32\) \(blocks, width\), the model is \(4, 32\)"):
+        load_model(str(tmp_path))
 
 
 def test_check_probe_applies_the_threshold_to_the_probe(model):
