@@ -35,7 +35,6 @@ from lab import tokens
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
 from lab.corpora import HELD_OUT_EVERY, stdlib_files
-from lab.exit_probe import FILE as EXIT_PROBE_FILE
 from lab.exit_probe import ExitProbe, fit_exit_probe, load_exit_probe, save_exit_probe
 from lab.model import GPT
 from lab.token_data import TokenDataModule
@@ -265,7 +264,6 @@ def create_builtin(recipe: Recipe | None = None, directory: Path | None = None) 
 
 def _create(recipe: Recipe, directory: Path) -> dict:
     started = time.perf_counter()
-    (directory / EXIT_PROBE_FILE).unlink(missing_ok=True)  # a previous model's probe must not outlive it
     files = stdlib_files(recipe.max_files)
     dm = TokenDataModule(
         files, seq_len=recipe.block_size, batch_size=recipe.batch_size, val_every=recipe.val_every,
@@ -354,10 +352,9 @@ def _create(recipe: Recipe, directory: Path) -> dict:
             "recipe": dataclasses.asdict(recipe),
             **evaluate(model, compact, dm),
         }
-        probe = fit_probe(model, files)
+        model.exit_probe = fit_probe(model, files, recipe.val_every)
         report["total_seconds"] = round(time.perf_counter() - started, 1)
-        save_model(model, directory, metadata=report)
-        save_exit_probe(probe, directory)
+        save_model(model, directory, metadata=report)  # with the probe
         shutil.copytree(logs, directory / "logs", dirs_exist_ok=True)  # TensorBoard: train/loss, val/loss
     return report
 
@@ -368,10 +365,12 @@ PROBE_SECONDS = 30
 """What fitting the probe takes on 2 cores (reserved from the training budget)."""
 
 
-def probe_windows(files: list[Path], length: int, count: int = PROBE_WINDOWS) -> list[list[int]]:
-    """``count`` windows of ``length`` tokens from the middle of training files (never held-out ones),
-    spread over the standard library."""
-    training = [path for i, path in enumerate(files) if i % HELD_OUT_EVERY != 0]
+def probe_windows(
+    files: list[Path], length: int, val_every: int, count: int = PROBE_WINDOWS
+) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens from the middle of training files (never the held-out
+    ones, every ``val_every``-th), spread over the standard library."""
+    training = [path for i, path in enumerate(files) if i % val_every != 0]
     windows = []
     for path in training[:: max(len(training) // (2 * count), 1)]:
         ids = tokens.encode(path.read_text(encoding="utf-8", errors="replace"))
@@ -382,10 +381,10 @@ def probe_windows(files: list[Path], length: int, count: int = PROBE_WINDOWS) ->
     return windows
 
 
-def fit_probe(model: GPT, files: list[Path]) -> ExitProbe:
+def fit_probe(model: GPT, files: list[Path], val_every: int) -> ExitProbe:
     """The model's exit probe (lab.exit_probe), fitted on windows of the training files."""
     started = time.perf_counter()
-    windows = probe_windows(files, model.config.block_size)
+    windows = probe_windows(files, model.config.block_size, val_every)
     if not windows:
         raise ValueError(f"no training file has {2 * model.config.block_size} tokens for the exit probe")
     probe = fit_exit_probe(model, windows)
@@ -428,7 +427,8 @@ def main(argv: list[str]) -> int:
     if (directory / FORMAT_FILE).exists() and not args.force:
         report = read_metadata(directory)
         if load_exit_probe(directory) is None:  # made before the probe existed: fit it now
-            probe = fit_probe(load_model("builtin"), stdlib_files(report["recipe"]["max_files"]))
+            recipe = report["recipe"]
+            probe = fit_probe(load_model("builtin"), stdlib_files(recipe["max_files"]), recipe["val_every"])
             save_exit_probe(probe, directory)
         print(f"{directory} exists (train again with --force)\n{format_report(report)}")
         return 0

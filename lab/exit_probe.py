@@ -1,7 +1,7 @@
 """A learned check for adaptive exit: per block, the probability that the read-out there already picks
 the token the full stack would pick (CALM's trained confidence, Schuster et al. 2022).
 
-    probe = fit_exit_probe(model, windows)   # a minute on 2 cores for the builtin model
+    probe = fit_exit_probe(model, windows)   # about 20 s on 2 cores for the builtin model
     save_exit_probe(probe, directory)        # exit_probe.safetensors beside the weights
     # blocks "adaptive=0.9;check=probe": exit once the probe says 0.9
 
@@ -62,29 +62,36 @@ def exit_features(model: GPT, window: list[int]) -> tuple[torch.Tensor, torch.Te
 
 
 def fit_exit_probe(model: GPT, windows: list[list[int]], l2: float = 1e-3, max_iter: int = 200) -> ExitProbe:
-    """Fit the probe on ``windows`` of tokens (training text): L-BFGS on the logistic loss, per block."""
+    """Fit the probe on ``windows`` of tokens (training text): L-BFGS on the logistic loss of every
+    block but the last (never checked: nothing is above it), with an L2 penalty of ``l2`` per block."""
     features = [exit_features(model, window) for window in windows]
-    reads = torch.cat([r for r, _ in features], dim=1)  # [L, N, D]
-    labels = torch.cat([y for _, y in features], dim=1)  # [L, N]
-    n_layer, _, width = reads.shape
-    params = torch.zeros(n_layer, width + 1, requires_grad=True)  # weights and bias per block
+    reads = torch.cat([r for r, _ in features], dim=1)[:-1].cpu()  # [L-1, N, D]
+    labels = torch.cat([y for _, y in features], dim=1)[:-1].cpu()  # [L-1, N]
+    checked, _, width = reads.shape
+    params = torch.zeros(checked, width + 1, requires_grad=True)  # weights and bias per checked block
     optimizer = torch.optim.LBFGS([params], max_iter=max_iter, line_search_fn="strong_wolfe")
 
     def closure() -> torch.Tensor:
         optimizer.zero_grad()
-        logits = torch.einsum("lnd,ld->ln", reads, params[:, :-1]) + params[:, -1:]  # [L, N]
-        loss = F.binary_cross_entropy_with_logits(logits, labels) + l2 * params[:, :-1].pow(2).sum()
+        logits = torch.einsum("lnd,ld->ln", reads, params[:, :-1]) + params[:, -1:]  # [L-1, N]
+        penalty = l2 * params[:, :-1].pow(2).sum(dim=1).mean()
+        loss = F.binary_cross_entropy_with_logits(logits, labels) + penalty
         loss.backward()
         return loss
 
     with torch.enable_grad():
         optimizer.step(closure)
-    params = params.detach()
+    params = torch.cat([params.detach(), torch.zeros(1, width + 1)])  # the last block: never asked
     return ExitProbe(weight=params[:, :-1].contiguous(), bias=params[:, -1].contiguous())
 
 
 def save_exit_probe(probe: ExitProbe, directory: Path) -> None:
-    save_file({"weight": probe.weight.cpu(), "bias": probe.bias.cpu()}, str(Path(directory) / FILE))
+    """Written through a temporary name then renamed, as ``lab.weights.save_model`` writes weights."""
+    path = Path(directory) / FILE
+    temporary = path.with_name(FILE + ".tmp")
+    tensors = {"weight": probe.weight.cpu().contiguous(), "bias": probe.bias.cpu().contiguous()}
+    save_file(tensors, str(temporary))
+    temporary.replace(path)
 
 
 def load_exit_probe(directory: Path, model: GPT | None = None) -> ExitProbe | None:
@@ -95,9 +102,13 @@ def load_exit_probe(directory: Path, model: GPT | None = None) -> ExitProbe | No
     tensors = load_file(str(path))
     probe = ExitProbe(weight=tensors["weight"], bias=tensors["bias"])
     if model is not None:
-        wanted = (model.config.n_layer, model.config.n_embd)
-        if tuple(probe.weight.shape) != wanted or tuple(probe.bias.shape) != wanted[:1]:
-            raise ValueError(
-                f"{path}: a probe for {tuple(probe.weight.shape)} (blocks, width), the model is {wanted}"
-            )
+        check_fits(probe, model, str(path))
     return probe
+
+
+def check_fits(probe: ExitProbe, model: GPT, source: str = "exit probe") -> None:
+    """ValueError unless ``probe`` has a weight row and a bias per block of ``model`` at its width."""
+    wanted = (model.config.n_layer, model.config.n_embd)
+    if tuple(probe.weight.shape) != wanted or tuple(probe.bias.shape) != wanted[:1]:
+        shape = tuple(probe.weight.shape)
+        raise ValueError(f"{source}: a probe for {shape} (blocks, width), the model is {wanted}")

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.blocks import BlockSet
+from lab.exit_probe import check_fits
 from lab.model import GPT, Block, KVCache, Linear
 from lab.quantize import WEIGHT_DTYPES, load
 
@@ -95,11 +96,14 @@ def exit_score(
 
 
 def require_exit_probe(model: GPT, block_set: BlockSet) -> None:
-    if block_set.adaptive_check == "probe" and model.exit_probe is None:
+    if block_set.adaptive_check != "probe":
+        return
+    if model.exit_probe is None:
         raise ValueError(
             "blocks: check=probe needs the model's exit probe (lab.exit_probe), and this model has "
-            "none; `blocklab builtin` fits one for the builtin model"
+            "none; `blocklab builtin` fits the builtin model's, lab.exit_probe.fit_exit_probe any model's"
         )
+    check_fits(model.exit_probe, model)
 
 
 def propagate_kv(block: Block, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], pos: int) -> None:

@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lab.config import GPTConfig
-from lab.exit_probe import load_exit_probe
+from lab.exit_probe import FILE as EXIT_PROBE_FILE
+from lab.exit_probe import load_exit_probe, save_exit_probe
 from lab.model import GPT
 
 FORMAT_FILE = "blocklab.json"
@@ -49,7 +50,8 @@ def builtin_dir() -> Path:
 
 
 def save_model(model: GPT, directory: str | Path, *, metadata: dict[str, Any] | None = None) -> Path:
-    """Write ``model`` as ``blocklab.json`` (config + metadata) and ``model.safetensors``; returns the dir.
+    """Write ``model`` as ``blocklab.json`` (config + metadata) and ``model.safetensors``, and its exit
+    probe (lab.exit_probe) as ``exit_probe.safetensors`` if it has one; returns the dir.
 
     Written through temporary names then renamed, so a crash never leaves a half-written model behind.
     """
@@ -66,6 +68,10 @@ def save_model(model: GPT, directory: str | Path, *, metadata: dict[str, Any] | 
     format_tmp.write_text(json.dumps(description, indent=2) + "\n")
     weights_tmp.replace(directory / WEIGHTS_FILE)
     format_tmp.replace(directory / FORMAT_FILE)  # last: its presence marks a complete model
+    if model.exit_probe is not None:
+        save_exit_probe(model.exit_probe, directory)
+    else:  # another model's probe must not stay beside these weights
+        (directory / EXIT_PROBE_FILE).unlink(missing_ok=True)
     return directory
 
 

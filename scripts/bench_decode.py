@@ -188,7 +188,8 @@ def builtin_quality() -> dict | None:
     loss32 = mean_score(fp32, "all")["loss"]
     losses = {dtype: mean_score(load("builtin", dtype), "all")["loss"] for dtype in LOW_PRECISION}
     specs = [f"adaptive={t};min=2" for t in (1.0, 0.999, 0.995, 0.99, 0.98, 0.95)]
-    specs += [f"adaptive={t};min=2;check=probe" for t in (0.95, 0.9, 0.8, 0.7, 0.5)]
+    if fp32.exit_probe is not None:
+        specs += [f"adaptive={t};min=2;check=probe" for t in (0.95, 0.9, 0.8, 0.7, 0.5)]
     specs += [f"exit={k}" for k in (2, 4, 6, 8, 10)]
     return {
         "texts": [name for name, _ in windows],

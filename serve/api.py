@@ -58,11 +58,12 @@ class WeightsLoader:
 class SharedState:
     """Memory shared by the HTTP side and the spawned workers, made before the workers start.
 
-    ``model``: the served model's n_layer, block_size, vocab_size and parameter count, written by the
-    first worker to finish ``setup``. ``cancelled``: one cell per in-flight slot; the HTTP side writes
-    a request's ticket there when its client is gone, and the worker stops that job. ``counters``:
-    a row of ``engine.COUNTERS`` per worker, written only by that worker (no lock, which a worker
-    killed while holding it would leave locked); a replaced worker continues its predecessor's row.
+    ``model``: the served model's n_layer, block_size, vocab_size, parameter count and whether it has
+    an exit probe, written by the first worker to finish ``setup`` (n_layer last: nonzero means
+    ready). ``cancelled``: one cell per in-flight slot; the HTTP side writes a request's ticket there
+    when its client is gone, and the worker stops that job. ``counters``: a row of
+    ``engine.COUNTERS`` per worker, written only by that worker (no lock, which a worker killed while
+    holding it would leave locked); a replaced worker continues its predecessor's row.
     """
 
     MAX_WORKERS = 64
@@ -92,7 +93,8 @@ class SharedState:
     def publish(self, model: GPT) -> None:
         cfg = model.config
         has_probe = int(model.exit_probe is not None)
-        self.model[:] = [cfg.n_layer, cfg.block_size, cfg.vocab_size, parameter_count(model), has_probe]
+        self.model[1:] = [cfg.block_size, cfg.vocab_size, parameter_count(model), has_probe]
+        self.model[0] = cfg.n_layer  # last: a depth marks the rest as written (see limits)
 
     def limits(self) -> ModelLimits | None:
         n_layer, block_size, _, _, has_probe = self.model[:]

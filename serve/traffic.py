@@ -88,7 +88,7 @@ def default_block_sets(n_layer: int, exit_probe: bool = False) -> list[str]:
         "skip=" + ",".join(map(str, three)),
         f"exit={max(1, n_layer // 2)}",
         f"exit={max(1, 3 * n_layer // 4)}",
-        "adaptive=0.8;min=2;check=probe" if exit_probe else "adaptive=0.98",
+        f"adaptive=0.8;min={min(2, n_layer)};check=probe" if exit_probe else "adaptive=0.98",
     ]
     return list(dict.fromkeys(specs))  # small models repeat some; keep the first of each
 

@@ -119,3 +119,29 @@ def test_check_probe_without_a_probe_is_refused(model):
 def test_block_set_check_is_validated(spec, message):
     with pytest.raises(ValueError, match=message):
         BlockSet.parse(spec, CFG.n_layer)
+
+
+def test_save_model_writes_the_probe_and_never_leaves_a_stale_one(tmp_path, model):
+    from lab.weights import load_model, save_model
+
+    try:
+        model.exit_probe = constant_probe(2.0)
+        save_model(model, tmp_path)
+        assert load_model(str(tmp_path)).exit_probe.bias.tolist() == [2.0] * CFG.n_layer
+    finally:
+        model.exit_probe = None
+    save_model(model, tmp_path)  # the same directory, now for a model without a probe
+    assert load_exit_probe(tmp_path) is None and load_model(str(tmp_path)).exit_probe is None
+
+
+def test_probe_windows_come_from_training_files_only(tmp_path):
+    from lab import tokens
+    from lab.builtin import probe_windows
+
+    files = []
+    for i in range(6):  # with val_every=3, files 0 and 3 are held out
+        files.append(tmp_path / f"f{i}.py")
+        files[-1].write_text(f"word{i} " * 200)
+    windows = probe_windows(files, length=16, val_every=3, count=10)
+    texts = {tokens.decode(window).split()[1] for window in windows}
+    assert texts == {"word1", "word2", "word4", "word5"}
