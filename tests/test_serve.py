@@ -84,6 +84,10 @@ BAD_BODIES = [
     ('{"prompt": "a", "blocks": "skip=1", "skip": [1]}', "blocks"),
     ('{"prompt": "a", "blocks": "skip=9"}', "blocks"),
     ('{"prompt": "a", "blocks": "frobnicate=1"}', "blocks"),
+    ('{"prompt": "a", "blocks": "adaptive=0.9;check=probe"}', "blocks"),  # the tiny model has no probe
+    ('{"prompt": "a", "adaptive": 0.9, "adaptive_check": "probe"}', "adaptive_check"),
+    ('{"prompt": "a", "adaptive": 0.9, "adaptive_check": "vibes"}', "adaptive_check"),
+    ('{"prompt": "a", "adaptive_check": "probe"}', "adaptive_check"),  # without adaptive
     ('{"prompt": "a", "max_new_tokens": 0}', "prompt"),  # scoring needs two tokens
     ('{"prompt": "' + "word " * 200 + '"}', "prompt"),  # over the context
 ]
