@@ -155,16 +155,21 @@ class StreamError(Exception):
         self.status = status
 
 
+def _check_echo(shot: Shot, seed: int, block_set: str, new_tokens: int, limit: str) -> None:
+    """What every answer echoes against its shot: the seed, the block set, at most the tokens asked."""
+    if seed != shot.seed:
+        raise BadAnswer(f"seed {seed} came back for {shot.seed}")
+    if block_set != shot.block_set:
+        raise BadAnswer(f"block set {block_set!r} ran for {shot.block_set!r}")
+    if new_tokens > shot.max_new_tokens:
+        raise BadAnswer(f"{new_tokens} tokens for {limit} {shot.max_new_tokens}")
+
+
 def _check_summary(shot: Shot, response: dict) -> tuple[str, int]:
     """``/predict``'s summary against its shot; (text, new tokens)."""
     if response["id"] != shot.request_id:
         raise BadAnswer(f"id {response['id']!r} came back for {shot.request_id!r}")
-    if response["seed"] != shot.seed:
-        raise BadAnswer(f"seed {response['seed']} came back for {shot.seed}")
-    if response["block_set"] != shot.block_set:
-        raise BadAnswer(f"block set {response['block_set']!r} ran for {shot.block_set!r}")
-    if len(response["tokens"]) > shot.max_new_tokens:
-        raise BadAnswer(f"{len(response['tokens'])} tokens for max_new_tokens {shot.max_new_tokens}")
+    _check_echo(shot, response["seed"], response["block_set"], len(response["tokens"]), "max_new_tokens")
     if shot.body["score"] and not np.isfinite(response["score"]["mean_loss"]):
         raise BadAnswer(f"loss {response['score']['mean_loss']}")
     return response["text"], len(response["tokens"])
@@ -173,12 +178,8 @@ def _check_summary(shot: Shot, response: dict) -> tuple[str, int]:
 def _check_blocklab(shot: Shot, answer: dict) -> None:
     """The ``blocklab`` object of an OpenAI-route answer against its shot."""
     blocklab = answer["blocklab"]
-    if blocklab["seed"] != shot.seed:
-        raise BadAnswer(f"seed {blocklab['seed']} came back for {shot.seed}")
-    if blocklab["block_set"] != shot.block_set:
-        raise BadAnswer(f"block set {blocklab['block_set']!r} ran for {shot.block_set!r}")
-    if len(blocklab["blocks_per_token"]) > shot.max_new_tokens:
-        raise BadAnswer(f"{len(blocklab['blocks_per_token'])} tokens for max_tokens {shot.max_new_tokens}")
+    new_tokens = len(blocklab["blocks_per_token"])
+    _check_echo(shot, blocklab["seed"], blocklab["block_set"], new_tokens, "max_tokens")
 
 
 def _read_ndjson(shot: Shot, lines) -> tuple[str, int, str]:

@@ -143,11 +143,12 @@ def held_out_source(chars: int) -> tuple[str, str]:
     names."""
     from lab.corpora import held_out_stdlib_files
 
-    parts, names = [], []
+    parts, names, total = [], [], 0
     for path in held_out_stdlib_files():
         parts.append(path.read_text(encoding="utf-8", errors="replace") + "<|endoftext|>")
         names.append(path.name)
-        if sum(map(len, parts)) >= chars:
+        total += len(parts[-1])
+        if total >= chars:
             break
     return "".join(parts), ", ".join(names)
 
@@ -177,13 +178,14 @@ def text_tokens(args: argparse.Namespace, model: GPT) -> tuple[list[int], str]:
             f"this one has vocab_size={model.config.vocab_size}"
         )
     n = min(args.tokens, model.config.block_size)
+    # Encoding ~4 characters per token: no need to read or tokenise more than this for the first n.
+    chars = 8 * n + 1024
     if args.text is None:
-        text, names = held_out_source(8 * n + 1024)
+        text, names = held_out_source(chars)
         source = f"held-out standard-library source ({names})"
     else:
         text, source = args.text.read_text(encoding="utf-8"), str(args.text)
-    # Encoding ~4 characters per token: no need to tokenise the whole corpus for the first n.
-    ids = tokens.encode(text[: 8 * n + 1024], allow_endoftext=True)[:n]
+    ids = tokens.encode(text[:chars], allow_endoftext=True)[:n]
     if len(ids) < 2:
         raise SystemExit(f"{source}: need at least 2 tokens, got {len(ids)}")
     return ids, f"{source}, first {len(ids)} tokens"
