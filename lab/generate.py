@@ -195,15 +195,29 @@ class Decoder:
         return model.unembed(x)[0, -1], self.blocks[:ran]  # [V]
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> int:
-    """Greedy when temperature is 0, else sample from the (top-k) softmax. logits [V]."""
+def pick_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator,
+    top_p: float = 1.0,
+) -> int:
+    """Greedy when temperature is 0, else a sample from the softmax of logits [V] / temperature,
+    restricted to the ``top_k`` most likely and then to the smallest set whose probability reaches
+    ``top_p`` (nucleus sampling). The one sampler: ``generate`` and the server both draw with it."""
     if temperature == 0.0:
         return int(logits.argmax())
     logits = logits / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator))
+    probs = F.softmax(logits, dim=-1)  # [V]
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)  # [V] each
+        before = sorted_probs.cumsum(-1) - sorted_probs  # [V] mass of the more likely tokens
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the most likely always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)  # [V]
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def generate(
@@ -213,13 +227,14 @@ def generate(
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float = 1.0,
     seed: int | None = None,
     stop_token: int | None = None,
     block_set: BlockSet | None = None,
 ) -> Iterator[Step]:
     """Yield tokens one at a time after ``prompt``; stop at ``stop_token``, max_new_tokens or the context.
 
-    ``temperature`` 0 is greedy; otherwise sampling, from the ``top_k`` most likely when given, drawn
+    ``temperature`` 0 is greedy; otherwise sampling (``pick_token``), drawn
     from a generator seeded with ``seed`` (None: a fresh random seed).
     """
     cfg = model.config
@@ -227,6 +242,8 @@ def generate(
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k: must be >= 1, got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
     if not prompt:
         raise ValueError("prompt: needs at least one token")
     if len(prompt) > cfg.block_size:
@@ -245,7 +262,7 @@ def generate(
     blocks_run = decoder.blocks
     for produced in range(1, budget + 1):
         logits = logits.float()
-        token = _pick(logits, temperature, top_k, generator)
+        token = pick_token(logits, temperature, top_k, generator, top_p)
         logprob = float(logits[token] - torch.logsumexp(logits, dim=-1))
         if token == stop_token:
             reason = "stop_token"

@@ -64,6 +64,15 @@ class Job:
     """True once the client is gone: the job stops without another event."""
     deadline: float = float("inf")
     """``time.monotonic()`` past which the job ends with a 504 error event at its next step."""
+    top_p: float = 1.0
+    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches this."""
+    min_tokens: int = 0
+    """The end-of-text token is not drawn before this many new tokens."""
+    ignore_eos: bool = False
+    """Generate ``max_new_tokens`` whatever is drawn: end-of-text does not stop the job (load tools)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the job once the generated text contains one (finish_reason 'stop'); the
+    text returned ends before it."""
 
 
 COUNTERS = (
