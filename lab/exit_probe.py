@@ -40,9 +40,11 @@ class ExitProbe:
 
     def __call__(self, read: torch.Tensor, block: int) -> torch.Tensor:
         """read: ln_f of the stream after ``block``, [..., D] -> probability [...]. Computed in fp32
-        on the read's device (the probe is not a module of the model: ``model.to`` does not move it)."""
+        on the read's device (the probe is not a module of the model: ``model.to`` does not move it).
+        A product and a sum per row rather than a matrix-vector product: each row's value is the same
+        whatever rows share the call (batch invariance, ``lab.model.rows_alone``)."""
         weight, bias = self.weight[block].to(read.device), self.bias[block].to(read.device)
-        return torch.sigmoid(read.float() @ weight + bias)
+        return torch.sigmoid((read.float() * weight).sum(-1) + bias)
 
     def to(self, device: torch.device | str) -> ExitProbe:
         return ExitProbe(self.weight.to(device), self.bias.to(device))

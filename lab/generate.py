@@ -130,7 +130,11 @@ def propagate_kv(block: Block, x: torch.Tensor, cache: tuple[torch.Tensor, torch
 
 
 class Decoder:
-    """Incremental batch-1 decoding of one sequence under one block set: a model, its cache, a position."""
+    """Incremental decoding of one sequence under one block set: a model, its cache, a position.
+
+    Several decoders step together, each at its own position under its own block set, through
+    ``decode_rows``; ``step`` is that with one row.
+    """
 
     def __init__(self, model: GPT, block_set: BlockSet | None = None, max_len: int | None = None):
         self.model = model
@@ -138,61 +142,103 @@ class Decoder:
         self.block_set = (block_set or BlockSet()).validate(self.cfg.n_layer)
         require_exit_probe(model, self.block_set)
         self.blocks = self.block_set.blocks_to_run(self.cfg.n_layer)
+        self.runs = frozenset(self.blocks)
         weight = model.wte.weight
         self.cache = KVCache(self.cfg, max_len=max_len, device=weight.device, dtype=weight.dtype)
-        self.fixed = None if self.block_set.is_adaptive else self.block_set
+        # adaptive exit: the prompt runs every block of the set (keys and values exact for all depths)
+        bs = self.block_set
+        self.prefill_set = BlockSet(skip=bs.skip, overwrite=bs.overwrite) if bs.is_adaptive else bs
 
     @property
     def position(self) -> int:
         return self.cache.length
 
-    def _as_idx(self, tokens: list[int]) -> torch.Tensor:
-        return torch.tensor([tokens], device=self.model.wte.weight.device)  # [1, T]
-
     @torch.inference_mode()
-    def prefill(self, tokens: list[int]) -> torch.Tensor:
-        """Run ``tokens`` through every block of the set in one pass; the logits [V] after the last."""
+    def extend(self, tokens: list[int]) -> torch.Tensor:
+        """Run ``tokens`` (the prompt, or its next chunk) through the set's blocks in one pass, after
+        what the cache holds; the stream [T, D] leaving the last block, for every position."""
         if not tokens:
             raise ValueError("prompt: needs at least one token")
         if self.position + len(tokens) > self.cache.max_len:
             raise ValueError(
                 f"prompt: {self.position + len(tokens)} tokens exceed the context of {self.cache.max_len}"
             )
-        # adaptive exit: the prompt runs every block of the set (keys and values exact for all depths)
-        block_set = self.fixed or BlockSet(skip=self.block_set.skip, overwrite=self.block_set.overwrite)
-        x = self.model.residual_stream(self._as_idx(tokens), self.cache, block_set)  # [1, T, D]
-        return self.model.unembed(x[:, -1:])[0, -1]  # [V]: only the last position is read out
+        idx = torch.tensor([tokens], device=self.model.wte.weight.device)  # [1, T]
+        return self.model.residual_stream(idx, self.cache, self.prefill_set)[0]  # [T, D]
 
     @torch.inference_mode()
+    def prefill(self, tokens: list[int]) -> torch.Tensor:
+        """``extend`` by the prompt; the logits [V] after its last token (the only position read out)."""
+        return self.model.unembed(self.extend(tokens)[None, -1:])[0, -1]  # [V]
+
     def step(self, token: int) -> tuple[torch.Tensor, list[int]]:
         """Feed one token; the logits [V] for the next one and the blocks that ran."""
-        if self.position >= self.cache.max_len:
-            raise ValueError(f"context full: {self.cache.max_len} positions")
-        if self.fixed is not None:
-            logits = self.model(self._as_idx([token]), cache=self.cache, block_set=self.fixed)  # [1, 1, V]
-            return logits[0, -1], self.blocks
-        return self._adaptive_step(token)
+        logits, blocks_run = decode_rows(self.model, [self], [token])
+        return logits[0], blocks_run[0]
 
-    def _adaptive_step(self, token: int) -> tuple[torch.Tensor, list[int]]:
-        model, block_set, pos = self.model, self.block_set, self.position
-        threshold, min_blocks = block_set.adaptive_threshold, block_set.adaptive_min_blocks
-        x = model.embed_tokens(self._as_idx([token]), pos)  # [1, 1, D]
-        read_before = None  # ln_f of the stream before the block just run, once checks begin
-        ran = 0
-        for ran, i in enumerate(self.blocks, start=1):
-            checking = min_blocks <= ran < len(self.blocks)
-            if checking and read_before is None:
-                read_before = model.ln_f(x)  # [1, 1, D]
-            x = model.blocks[i](x, self.cache.layer(i), pos, overwrite=i in block_set.overwrite)
-            if checking:
-                read_now = model.ln_f(x)  # [1, 1, D]
-                if float(exit_score(model, block_set, i, read_now, read_before)) >= threshold:
-                    break
-                read_before = read_now
-        for i in self.blocks[ran:]:  # exited early: deeper blocks still need this position's K/V
-            propagate_kv(model.blocks[i], x, self.cache.layer(i), pos)
-        self.cache.length = pos + 1
-        return model.unembed(x)[0, -1], self.blocks[:ran]  # [V]
+
+@torch.inference_mode()
+def decode_rows(
+    model: GPT, decoders: list[Decoder], tokens: list[int]
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """One token for each decoder, all in one pass: the logits [B, V] for the next tokens and the
+    blocks each row ran. The one decoding loop: ``Decoder.step`` and the server's steps use it.
+
+    Each row is at its own position with its own cache, under its own block set: block i runs on
+    the rows whose set includes it (the others' streams pass through); an ``exit`` row stops at its
+    block and is read out there; ``overwrite`` applies per row; an adaptive row stops once its check
+    passes, and its deeper blocks get this position's keys and values from its exit state
+    (``propagate_kv``). Under ``lab.model.rows_alone`` a row's logits are bit for bit those it gets
+    alone.
+    """
+    device = model.wte.weight.device
+    B = len(decoders)
+    positions = [decoder.position for decoder in decoders]
+    for decoder in decoders:
+        if decoder.position >= decoder.cache.max_len:
+            raise ValueError(f"context full: {decoder.cache.max_len} positions")
+    idx = torch.tensor(tokens, device=device)[:, None]  # [B, 1]
+    x = model.embed_tokens(idx, torch.tensor(positions, device=device))  # [B, 1, D]
+    ran = [0] * B  # blocks each row has run
+    going = [True] * B  # False once an adaptive row exits
+    read_before: list[torch.Tensor | None] = [None] * B  # ln_f before the block just run, once checking
+    for i, block in enumerate(model.blocks):
+        rows = [b for b in range(B) if going[b] and i in decoders[b].runs]
+        if not rows:
+            continue
+        checking = [b for b in rows if _checks_after(decoders[b], ran[b] + 1)]
+        for b in checking:
+            if read_before[b] is None:
+                read_before[b] = model.ln_f(x[b : b + 1])  # [1, 1, D]
+        overwrite = [i in decoders[b].block_set.overwrite for b in rows]
+        caches = [decoders[b].cache.layer(i) for b in rows]
+        at = [positions[b] for b in rows]
+        flags = torch.tensor(overwrite, device=device) if any(overwrite) else False  # [b] or no row
+        if len(rows) == B:
+            x = block(x, caches, at, overwrite=flags)  # [B, 1, D]
+        else:
+            index = torch.tensor(rows, device=device)
+            x = x.index_copy(0, index, block(x[index], caches, at, overwrite=flags))  # [B, 1, D]
+        for b in rows:
+            ran[b] += 1
+        for b in checking:
+            decoder = decoders[b]
+            read_now = model.ln_f(x[b : b + 1])  # [1, 1, D]
+            score = exit_score(model, decoder.block_set, i, read_now, read_before[b])
+            if float(score) >= decoder.block_set.adaptive_threshold:
+                going[b] = False
+            read_before[b] = read_now
+    for b, decoder in enumerate(decoders):
+        for i in decoder.blocks[ran[b] :]:  # exited early: deeper blocks still need this position's K/V
+            propagate_kv(model.blocks[i], x[b : b + 1], decoder.cache.layer(i), positions[b])
+        decoder.cache.length = positions[b] + 1
+    return model.unembed(x)[:, -1], [decoder.blocks[: ran[b]] for b, decoder in enumerate(decoders)]
+
+
+def _checks_after(decoder: Decoder, ran: int) -> bool:
+    """Whether an adaptive row checks for exit after its ``ran``-th block (never after its last)."""
+    block_set = decoder.block_set
+    return block_set.is_adaptive and block_set.adaptive_min_blocks <= ran < len(decoder.blocks)
 
 
 def pick_token(

@@ -14,6 +14,9 @@ H heads, Dh head width, V vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,35 @@ from torch import nn
 
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
+
+ROWS_ALONE: ContextVar[bool] = ContextVar("rows_alone", default=False)
+"""Batch invariance: while set (``rows_alone()``), every row of a product is computed with the kernel
+a single row uses, so a row's values do not depend on how many rows share the call or what they hold."""
+
+
+@contextmanager
+def rows_alone() -> Iterator[None]:
+    """Compute each row of a batch as if it were alone (see ``ROWS_ALONE``).
+
+    A matrix product of many rows reduces in another order than the matrix-vector product of one
+    (the BLAS picks its kernel by the row count), so a batched row differs from the same row alone in
+    the last bits, and sampling can then draw another token. Under this context ``Linear`` and the
+    unembedding multiply row by row with the one-row kernel (a batched matrix-vector product).
+    """
+    token = ROWS_ALONE.set(True)
+    try:
+        yield
+    finally:
+        ROWS_ALONE.reset(token)
+
+
+def matmul_rows_alone(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2d [N, Din] @ weight [Din, Dout] (+ bias), each row with the one-row kernel: [N, Dout]."""
+    N, d_in = x2d.shape
+    weights = weight.expand(N, d_in, weight.size(1))  # [N, Din, Dout], a view: no copy
+    if bias is None:
+        return torch.bmm(x2d[:, None], weights)[:, 0]  # [N, Dout]
+    return torch.baddbmm(bias.expand(N, 1, -1), x2d[:, None], weights)[:, 0]  # [N, Dout]
 
 
 class Linear(nn.Module):
@@ -47,6 +79,8 @@ class Linear(nn.Module):
                 y = torch.mv(w_out_in, x2d[0])  # [Dout]
             else:
                 y = torch.addmv(self.bias, w_out_in, x2d[0])  # [Dout]
+        elif ROWS_ALONE.get():
+            y = matmul_rows_alone(x2d, self.weight, self.bias)  # [N, Dout]
         elif self.bias is None:
             y = x2d @ self.weight  # [N, Dout]
         else:
@@ -81,11 +115,15 @@ class CausalSelfAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        pos: int = 0,
+        cache: tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        pos: int | list[int] = 0,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``mask`` [B, 1, T, S] (True: may attend) replaces the causal rule, for left-padded batches."""
+        """``mask`` [B, 1, T, S] (True: may attend) replaces the causal rule, for left-padded batches.
+
+        ``cache`` as a list: one cache per row ([1, H, T_max, Dh] each), each row at its own position
+        ``pos[b]``: rows of different sequences decoded together (``lab.generate.decode_rows``).
+        """
         B, T, D = x.shape
         H, Dh = self.n_head, self.head_dim
         qkv = self.qkv(self.c_attn(x))  # [B, T, 3D]
@@ -93,6 +131,13 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
         k = k.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
         v = v.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
+        if isinstance(cache, list):
+            rows = [
+                self._attend_alone(q[b : b + 1], k[b : b + 1], v[b : b + 1], cache[b], pos[b])
+                for b in range(B)
+            ]
+            y = torch.cat(rows)  # [B, H, T, Dh]
+            return self.resid_dropout(self.c_proj(self.z(y.transpose(1, 2).reshape(B, T, D))))  # [B, T, D]
         if cache is not None:
             k_cache, v_cache = cache  # [B, H, T_max, Dh] each
             k_cache[:, :, pos : pos + T] = k
@@ -122,6 +167,24 @@ class CausalSelfAttention(nn.Module):
         y = self.z(y.transpose(1, 2).reshape(B, T, D))  # [B, T, D]
         return self.resid_dropout(self.c_proj(y))  # [B, T, D]
 
+    @staticmethod
+    def _attend_alone(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], pos: int
+    ) -> torch.Tensor:
+        """One row's attention over its own cache: q, k, v [1, H, T, Dh] at positions pos..pos+T-1.
+
+        The same call whatever other rows share the step, so a row's values never depend on them.
+        """
+        T = q.size(2)
+        k_cache, v_cache = cache  # [1, H, T_max, Dh] each
+        k_cache[:, :, pos : pos + T] = k
+        v_cache[:, :, pos : pos + T] = v
+        k, v = k_cache[:, :, : pos + T], v_cache[:, :, : pos + T]  # [1, H, S, Dh]
+        if T == 1:
+            return F.scaled_dot_product_attention(q, k, v)  # [1, H, 1, Dh]: the newest token sees all
+        allowed = torch.ones(T, pos + T, dtype=torch.bool, device=q.device).tril(diagonal=pos)  # [T, S]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [1, H, T, Dh]
+
 
 class MLP(nn.Module):
     """The feed-forward stage: per position, D -> 4D -> D with a GELU between."""
@@ -148,7 +211,8 @@ class Block(nn.Module):
                       resid_post = ln_2(resid_mid + mlp(resid_mid))
 
     ``overwrite=True`` computes both writes as usual but hands on ``attn_out + mlp_out`` alone:
-    the incoming stream is dropped, which measures how much later blocks rely on it.
+    the incoming stream is dropped, which measures how much later blocks rely on it. A [B] boolean
+    tensor chooses per row (rows of different block sets in one pass).
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -167,11 +231,12 @@ class Block(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        pos: int = 0,
-        overwrite: bool = False,
+        cache: tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        pos: int | list[int] = 0,
+        overwrite: bool | torch.Tensor = False,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``cache`` and ``pos``: see ``CausalSelfAttention.forward``."""
         x = self.resid_pre(x)  # [B, T, D]
         if self.norm == "pre":
             attn_out = self.attn_out(self.attn(self.ln_1(x), cache, pos, mask))
@@ -183,7 +248,9 @@ class Block(nn.Module):
             mid = self.resid_mid(self.ln_1(x + attn_out))
             mlp_out = self.mlp_out(self.mlp(mid))
             out = self.ln_2(mid + mlp_out)
-        if overwrite:
+        if isinstance(overwrite, torch.Tensor):
+            out = torch.where(overwrite[:, None, None], attn_out + mlp_out, out)  # [B, T, D]
+        elif overwrite:
             out = attn_out + mlp_out
         return self.resid_post(out)
 
@@ -272,17 +339,22 @@ class GPT(nn.Module):
         return n if include_position_table else n - self.wpe.weight.numel()
 
     def embed_tokens(
-        self, idx: torch.Tensor, pos: int = 0, padding: torch.Tensor | None = None
+        self, idx: torch.Tensor, pos: int | torch.Tensor = 0, padding: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The stream's first write: token plus position embeddings. idx [B, T] -> [B, T, D].
 
+        ``pos``: the first position, or [B] one per row (rows of different sequences decoded together).
         ``padding`` [B]: each row's count of leading pad tokens, so its first real token is at position 0.
         """
         B, T = idx.shape
-        end = pos + T - (0 if padding is None else int(padding.min()))  # the longest row's length
+        if isinstance(pos, torch.Tensor):
+            end = int(pos.max()) + T
+            positions = pos[:, None] + torch.arange(T, device=idx.device)  # [B, T]
+        else:
+            end = pos + T - (0 if padding is None else int(padding.min()))  # the longest row's length
+            positions = torch.arange(pos, pos + T, device=idx.device)  # [T]
         if end > self.config.block_size:
             raise ValueError(f"{end} positions exceed the context length {self.config.block_size}")
-        positions = torch.arange(pos, pos + T, device=idx.device)  # [T]
         if padding is not None:
             positions = (positions - padding[:, None]).clamp(min=0)  # [B, T]
         return self.embed(self.drop(self.wte(idx) + self.wpe(positions)))  # [B, T, D]
@@ -294,6 +366,9 @@ class GPT(nn.Module):
             return self.read_out(h)  # [B, T, V]
         if h.numel() == h.size(-1):  # one position (decoding): a matrix-vector product, as in Linear
             return torch.mv(self.wte.weight, h.reshape(-1)).view(*h.shape[:-1], -1)  # [1, 1, V]
+        if ROWS_ALONE.get():
+            rows = matmul_rows_alone(h.reshape(-1, h.size(-1)), self.wte.weight.t(), None)  # [B*T, V]
+            return rows.view(*h.shape[:-1], -1)  # [B, T, V]
         return F.linear(h, self.wte.weight)  # [B, T, V]
 
     def residual_stream(
