@@ -231,8 +231,10 @@ def decode_rows(
     for b, decoder in enumerate(decoders):
         for i in decoder.blocks[ran[b] :]:  # exited early: deeper blocks still need this position's K/V
             propagate_kv(model.blocks[i], x[b : b + 1], decoder.cache.layer(i), positions[b])
+    logits = model.unembed(x)[:, -1]  # [B, V]
+    for b, decoder in enumerate(decoders):  # last: a step that raised can be run again as it was
         decoder.cache.length = positions[b] + 1
-    return model.unembed(x)[:, -1], [decoder.blocks[: ran[b]] for b, decoder in enumerate(decoders)]
+    return logits, [decoder.blocks[: ran[b]] for b, decoder in enumerate(decoders)]
 
 
 def _checks_after(decoder: Decoder, ran: int) -> bool:

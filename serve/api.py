@@ -7,10 +7,10 @@ checks requests against it and reports it at ``/info``), ``decode_request`` turn
 ``decode_request``'s annotation is the body's type FastAPI validates (so no ``from __future__ import
 annotations`` here: the annotation must stay a class).
 
-``BatchLoop`` replaces LitServe's batched streaming loop, whose idle worker polls the request queue
-with 1 ms timeouts (or spins, with ``batch_timeout=0``) and whose batch sends an empty message per
-request per step: this loop blocks until a request arrives, takes every request already waiting (up
-to ``max_batch_size``, waiting ``batch_timeout`` for more), and sends each event as it comes.
+``ContinuousLoop`` replaces LitServe's batched streaming loop, which takes a batch and runs it to
+its end before it looks at the queue again (and whose idle worker polls with 1 ms timeouts): this
+loop blocks while it has nothing to do, and otherwise, between any two ticks of the engine, admits
+whatever has arrived (up to ``max_batch_size`` rows) and sends each event as it comes.
 """
 
 import ctypes
@@ -141,17 +141,21 @@ class BlockLabAPI(ls.LitAPI):
         max_batch_size: int = 8,
         batch_timeout: float = 0.0,
         threads: int | None = None,
+        prefill_chunk: int = 64,
+        batch_invariant: bool = True,
     ):
         super().__init__(
             max_batch_size=max_batch_size,
             batch_timeout=batch_timeout,
             api_path=API_PATH,
             stream=True,
-            loop=BatchLoop(),
+            loop=ContinuousLoop(),
         )
         self.model_factory = model_factory
         self.shared = shared
         self.threads = threads
+        self.prefill_chunk = prefill_chunk
+        self.batch_invariant = batch_invariant
 
     def setup(self, device: str) -> None:
         _die_with_parent()
@@ -166,7 +170,12 @@ class BlockLabAPI(ls.LitAPI):
     def load(self, device: str) -> None:
         """The model and its engine in this process (``setup`` without the worker's process setup)."""
         self.model = self.model_factory(device).eval()
-        self.engine = Engine(self.model)
+        self.engine = Engine(
+            self.model,
+            max_rows=self.max_batch_size,
+            prefill_chunk=self.prefill_chunk,
+            batch_invariant=self.batch_invariant,
+        )
         self.shared.publish(self.model)
         self.limits = self.shared.limits()
 
@@ -199,7 +208,8 @@ class BlockLabAPI(ls.LitAPI):
         )
 
     def predict(self, jobs: list[Job | Rejection]) -> Iterator[list[tuple[int, dict]]]:
-        """Per tick, (position in ``jobs``, event) pairs; every job ends with a done or error event."""
+        """In-process use (benchmarks): per tick, (position in ``jobs``, event) pairs; every job ends
+        with a done or error event. The server's loop feeds the engine itself (``ContinuousLoop``)."""
         rejected = [
             (i, error_event(job.status, job.message))
             for i, job in enumerate(jobs)
@@ -212,8 +222,8 @@ class BlockLabAPI(ls.LitAPI):
             yield from self.engine.run(runnable)
 
 
-class BatchLoop(LitLoop):
-    """The worker's loop: a batch of what is waiting, each event sent as soon as it exists."""
+class ContinuousLoop(LitLoop):
+    """The worker's loop: iteration-level scheduling around ``serve.engine.Engine``."""
 
     def __call__(
         self,
@@ -225,59 +235,66 @@ class BatchLoop(LitLoop):
         workers_setup_status,
         callback_runner,
     ) -> None:
-        lit_api.engine.tally = lit_api.shared.tally(worker_id)
+        engine = lit_api.engine
+        engine.tally = lit_api.shared.tally(worker_id)
+        routes: dict[str, int] = {}  # uid -> response_queue_id, for the requests the engine holds
         while True:
-            batch = self._take_batch(lit_api, request_queue, transport)
-            if batch:
-                self._run_batch(lit_api, batch, transport)
-
-    def _take_batch(self, lit_api: BlockLabAPI, request_queue, transport) -> list[tuple[int, str, object]]:
-        """Block for one request, then take the ones already waiting, up to ``max_batch_size``."""
-        first = self.get_request(request_queue, timeout=1.0)
-        if first is None:
-            return []
-        waiting = [first]
-        deadline = time.monotonic() + lit_api.batch_timeout
-        while len(waiting) < lit_api.max_batch_size:
-            remaining = deadline - time.monotonic()
+            if not engine.busy:  # idle: block for a request, then wait batch_timeout for company
+                if not self._admit(lit_api, request_queue, transport, routes, timeout=1.0):
+                    continue
+                if lit_api.batch_timeout > 0:
+                    time.sleep(lit_api.batch_timeout)
+            while engine.capacity > 0 and self._admit(lit_api, request_queue, transport, routes):
+                pass
             try:
-                waiting.append(
-                    request_queue.get(timeout=remaining) if remaining > 0 else request_queue.get_nowait()
-                )
-            except Empty:
-                break
-        batch = []
-        for response_queue_id, uid, queued_at, request in waiting:
-            # START tells the server which worker holds the request, so it can fail it if the worker dies.
-            self.put_response(
-                transport, response_queue_id, uid, (), LitAPIStatus.START, LoopResponseType.STREAMING
-            )
-            timeout = lit_api.request_timeout
-            if timeout not in (None, False, -1) and time.monotonic() - queued_at > timeout:
-                error = PickleableHTTPException(504, f"waited more than {timeout:g} s in the queue")
-                self.put_response(
-                    transport, response_queue_id, uid, error, LitAPIStatus.ERROR, LoopResponseType.STREAMING
-                )
-                continue
-            batch.append((response_queue_id, uid, request))
-        return batch
+                events = engine.tick()
+            except Exception as error:  # a bug outside the engine's per-row handling: fail what it holds
+                logger.exception("engine tick failed")
+                events = engine.abort(error)
+            for uid, event in events:
+                self._send(transport, routes, uid, event)
+            if len(routes) > len(engine.rows):  # cancelled jobs leave the engine without an event
+                held = {row.key for row in engine.rows}
+                for uid in [uid for uid in routes if uid not in held]:
+                    del routes[uid]
 
-    def _run_batch(self, lit_api: BlockLabAPI, batch: list[tuple[int, str, object]], transport) -> None:
-        finished: set[int] = set()
+    def _admit(self, lit_api: BlockLabAPI, request_queue, transport, routes, timeout: float = 0.0) -> bool:
+        """Take one request off the queue (waiting up to ``timeout``) into the engine; False if none."""
+        if timeout > 0:
+            taken = self.get_request(request_queue, timeout=timeout)
+        else:
+            try:
+                taken = request_queue.get_nowait()
+            except Empty:
+                taken = None
+        if taken is None:
+            return False
+        response_queue_id, uid, queued_at, request = taken
+        routes[uid] = response_queue_id
+        # START tells the server which worker holds the request, so it can fail it if the worker dies.
+        self.put_response(
+            transport, response_queue_id, uid, (), LitAPIStatus.START, LoopResponseType.STREAMING
+        )
+        timeout_s = lit_api.request_timeout
+        if timeout_s not in (None, False, -1) and time.monotonic() - queued_at > timeout_s:
+            error = PickleableHTTPException(504, f"waited more than {timeout_s:g} s in the queue")
+            del routes[uid]
+            self.put_response(
+                transport, response_queue_id, uid, error, LitAPIStatus.ERROR, LoopResponseType.STREAMING
+            )
+            return True
         try:
-            jobs = [lit_api.decode_request(request) for _, _, request in batch]
-            for events in lit_api.predict(jobs):
-                for position, event in events:
-                    response_queue_id, uid, _ = batch[position]
-                    self.put_response(
-                        transport, response_queue_id, uid, event, LitAPIStatus.OK, LoopResponseType.STREAMING
-                    )
-                    if event["event"] in ("done", "error"):
-                        finished.add(position)
-        except Exception as error:  # a bug outside the engine's per-group handling: fail what is left
-            logger.exception("batch failed")
-            for position, (response_queue_id, uid, _) in enumerate(batch):
-                if position not in finished:
-                    self.put_error_response(
-                        transport, response_queue_id, uid, error, LoopResponseType.STREAMING
-                    )
+            job = lit_api.decode_request(request)
+        except Exception as error:  # decode_request answers bad requests itself; this is a bug
+            logger.exception("decode_request failed")
+            job = Rejection(500, f"{type(error).__name__}: {error}")
+        if isinstance(job, Rejection):
+            self._send(transport, routes, uid, error_event(job.status, job.message))
+        else:
+            lit_api.engine.add(uid, job)
+        return True
+
+    def _send(self, transport, routes: dict[str, int], uid: str, event: dict) -> None:
+        self.put_response(transport, routes[uid], uid, event, LitAPIStatus.OK, LoopResponseType.STREAMING)
+        if event["event"] in ("done", "error"):
+            del routes[uid]

@@ -73,9 +73,14 @@ class ServeConfig:
     Too many hurts far more than too few: torch's threads spin while they wait, so on a busy 2-core
     machine a GPT-2 step took 830 ms with 2 threads against 80 ms with 1."""
     max_batch_size: int = 8
-    """Most requests one worker runs together; those with the same block set share forward passes."""
+    """Most requests one worker runs together (rows of every block set share each decode step)."""
     batch_timeout: float = 0.0
-    """Seconds a worker waits for a batch to fill after its first request (0: take what is queued)."""
+    """Seconds an idle worker waits for company after a request arrives (0: start at once)."""
+    prefill_chunk: int = 64
+    """Prompt tokens per prefill pass; running rows wait about one such pass per step."""
+    batch_invariant: bool = True
+    """Each row's logits bit for bit those it gets alone (``lab.model.rows_alone``); off: faster
+    matrix-matrix steps with many rows, equal up to rounding."""
     max_in_flight: int = 64
     """Most requests admitted at once (queued or running); past it, 429 with Retry-After."""
     queue_timeout: float = 30.0
@@ -217,6 +222,8 @@ def build_server(config: ServeConfig, model_factory: ModelFactory | None = None)
         shared,
         max_batch_size=config.max_batch_size,
         batch_timeout=config.batch_timeout,
+        prefill_chunk=config.prefill_chunk,
+        batch_invariant=config.batch_invariant,
         threads=config.threads or max(1, ((os.cpu_count() or 1) - 1) // config.workers),
     )
     return BlockLabServer(api, config)
@@ -323,7 +330,20 @@ def _parser() -> argparse.ArgumentParser:
         "--batch-timeout",
         type=float,
         default=d.batch_timeout,
-        help="seconds a worker waits for its batch to fill (default 0: take what is queued)",
+        help="seconds an idle worker waits for company after a request arrives (default 0)",
+    )
+    add(
+        "--prefill-chunk",
+        type=int,
+        default=d.prefill_chunk,
+        help="prompt tokens per prefill pass; running rows wait about one such pass per step",
+    )
+    add(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=d.batch_invariant,
+        help="each row computes exactly what it computes alone (default); --no-batch-invariant: "
+        "faster shared products, equal up to rounding",
     )
     add("--max-in-flight", type=int, default=d.max_in_flight, help="most requests admitted at once; then 429")
     add("--queue-timeout", type=float, default=d.queue_timeout, help="seconds a request may wait; then 504")
@@ -358,6 +378,8 @@ def main(argv: list[str], model_factory: ModelFactory | None = None) -> int:
         if config.accelerator not in ("auto", "cpu"):
             parser.error(f"--dtype {config.dtype} runs on the CPU: use --accelerator cpu (or auto)")
         config = replace(config, accelerator="cpu")
+    if config.max_batch_size < 1 or config.prefill_chunk < 1:
+        parser.error("--max-batch-size and --prefill-chunk must be at least 1")
     for name in ("queue_timeout", "request_timeout", "drain_timeout"):
         if not 0 < getattr(config, name) < float("inf"):
             parser.error(f"--{name.replace('_', '-')} must be a positive number of seconds")

@@ -1,37 +1,37 @@
-"""The server's inference: requests that share a block set share forward passes.
+"""The server's inference: iteration-level scheduling, every block set in one forward pass.
 
-A batch of requests is split into groups that can run as one tensor:
+An ``Engine`` holds the requests a worker is running, up to ``max_rows``, and advances them one
+``tick`` at a time. Between any two ticks the worker adds what has arrived and the engine retires
+what has finished, so a request never waits for another request's generation to end (Orca's
+iteration-level scheduling, as vLLM, TGI and SGLang do it). Each tick:
 
-- scoring (``max_new_tokens`` 0) under one fixed block set: one right-padded forward pass. This is
-  exact under causal attention: position t only reads positions <= t, so the padding after a short
-  sequence never reaches its losses, which are taken over its own positions only.
-- generation under one fixed block set: one prefill and one KV cache for all rows, then one token
-  per row per step. Prompts of different lengths are left-padded to the longest, with each row's
-  positions counted from its first real token and a mask that hides the padding
-  (``GPT.residual_stream(padding=...)``), so every row computes what it would alone, up to rounding
-  (a batch multiplies matrices where one row multiplies a vector). A group's
-  longest prompt plus its largest ``max_new_tokens`` must fit the context: jobs are packed into
-  groups by prompt length until they would not.
-- adaptive exit decides per token and per position, so each such request runs alone, through
-  ``lab.generate``.
+1. retire: jobs whose client is gone stop silently; jobs past their deadline end with a 504 event;
+2. prefill, chunked: jobs not yet prefilled advance by whole chunks of ``prefill_chunk`` prompt
+   tokens, oldest first, about one chunk per tick while other rows are decoding (as many as the
+   context holds when none are). A long prompt thus holds the running rows back for one chunk's
+   pass per tick, not for its whole prefill; and chunk boundaries depend on the prompt alone, so a
+   prompt's losses are the same whatever else is running;
+3. decode: every prefilled row takes one step together, whatever its block set
+   (``lab.generate.decode_rows``): block i runs on the rows whose set includes it, exit rows stop at
+   their block, adaptive rows decide per token.
 
-Prefills run ``GPT.residual_stream`` and unembed only the positions needed (the last one; every one
-for rows that score): ``GPT.forward`` would make a [B, T, V] tensor, 1.6 GB for 8 GPT-2 prompts of
-1024 tokens. Groups advance in lockstep, one step each per ``Engine.run`` tick, so a long generation
-does not hold back another group's first token. Between steps every group drops the jobs whose
-client is gone and ends those past their deadline with a 504 error event, so a long generation
-cannot hold a worker past ``--request-timeout``. Nothing here knows about HTTP or LitServe: ``run``
-yields, per tick, the events (plain dicts, see ``serve.schema``) of the jobs that have news, and
-counts what happened through a ``Tally``.
+With ``batch_invariant`` (the default) the decode step runs under ``lab.model.rows_alone``: every
+row's logits are bit for bit those it gets alone, so a seeded request draws the same tokens whether
+it ran alone or among any others; prefill is per request and needs nothing more. Off, rows share
+matrix-matrix products: faster with many rows, equal up to rounding.
+
+A step that raises is run again row by row, so one bad request fails alone. Nothing here knows
+about HTTP or LitServe: ``tick`` returns the events (plain dicts, ``serve.schema`` describes them) of
+the jobs that have news, and counts what happened through a ``Tally``.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import logging
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from lab import generate as lab_generate
 from lab import tokens
 from lab.blocks import BlockSet
-from lab.model import GPT, KVCache
+from lab.generate import Decoder, decode_rows, pick_token
+from lab.model import GPT, rows_alone
 
 logger = logging.getLogger(__name__)
 
@@ -93,52 +94,45 @@ def no_tally(name: str, count: int) -> None:
     """The default ``Tally``: nothing is counted (in-process use, tests)."""
 
 
-def pick_token(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator
-) -> int:
-    """Greedy at temperature 0, else a sample from the (top-k) softmax; logits [V].
-
-    The same arithmetic as ``lab.generate``'s sampler, so a seed gives the same tokens either way.
-    """
-    if temperature == 0.0:
-        return int(logits.argmax())
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator))
-
-
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
 
-def _losses(model: GPT, stream: torch.Tensor, idx: torch.Tensor, length: int) -> torch.Tensor:
-    """Next-token losses [length-1] of one row: stream [T, D] and tokens idx [T], first ``length`` real."""
-    logits = model.unembed(stream[None, : length - 1]).float()[0]  # [length-1, V]
-    return F.cross_entropy(logits, idx[1:length], reduction="none")  # [length-1]
+def _losses(model: GPT, stream: torch.Tensor, targets: list[int]) -> torch.Tensor:
+    """Next-token losses [n] of the first n positions of stream [T, D], whose next tokens are ``targets``."""
+    n = len(targets)
+    logits = model.unembed(stream[None, :n]).float()[0]  # [n, V]
+    return F.cross_entropy(logits, torch.tensor(targets, device=logits.device), reduction="none")  # [n]
 
 
 class _Progress:
     """One job's output so far, and the events that report it."""
 
-    def __init__(self, job: Job, batch_size: int, started_at: float):
+    def __init__(self, job: Job, started_at: float):
         self.job = job
-        self.batch_size = batch_size
         self.started_at = started_at
+        self.batch_size = 1  # the most rows that shared one of its steps
         self.prefill_s = 0.0
         self.new_tokens: list[int] = []
         self.blocks_per_token: list[int] = []
         self.token_times: list[float] = []
         self.score: dict | None = None
-        self.text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+        self.stopped_at: int | None = None  # where a stop string begins in ``text``, once one appears
 
     def token(self, token: int, blocks: int) -> dict | None:
         """Record a new token; its event when the job streams."""
         self.token_times.append(time.monotonic())
         self.new_tokens.append(token)
         self.blocks_per_token.append(blocks)
-        piece = self.text.decode(tokens.decode_token_bytes(token))
+        piece = self.decoder.decode(tokens.decode_token_bytes(token))
+        self.text += piece
+        if self.job.stop:
+            longest = max(map(len, self.job.stop))
+            tail_from = max(0, len(self.text) - len(piece) - longest + 1)  # only new matches
+            found = [at for at in (self.text.find(s, tail_from) for s in self.job.stop) if at >= 0]
+            self.stopped_at = min(found) if found else None
         if not self.job.stream:
             return None
         index = len(self.new_tokens) - 1
@@ -151,9 +145,10 @@ class _Progress:
         now, job = time.monotonic(), self.job
         times, per_token = self.token_times, self.blocks_per_token
         mean_blocks = sum(per_token) / len(per_token) if per_token else float(len(blocks_run or ()))
+        text = tokens.decode(self.new_tokens) if self.stopped_at is None else self.text[: self.stopped_at]
         response = {
             "id": job.request_id,
-            "text": tokens.decode(self.new_tokens),
+            "text": text,
             "tokens": self.new_tokens,
             "prompt_tokens": len(job.prompt_tokens),
             "finish_reason": finish_reason,
@@ -179,293 +174,214 @@ def error_event(status: int, message: str) -> dict:
     return {"event": "error", "status": status, "message": message}
 
 
-class _Group(ABC):
-    """Jobs that advance together. ``step`` returns (position in the batch, event) pairs."""
 
-    def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float, tally: Tally):
-        self.model = model
-        self.members = members
-        self.started_at = started_at
-        self.tally = tally
-        self.progress = {position: _Progress(job, len(members), started_at) for position, job in members}
-        self.began = False  # whether any step has run: a group that has not begun can be split
 
-    def split(self) -> list[_Group]:
-        """After a failure in the group's first step, one group per job, to run again alone: one bad
-        request must not fail the requests it was batched with. [] when there is nothing to split
-        (one job, or tokens already sent)."""
-        if self.began or len(self.members) < 2:
-            return []
-        return [type(self)(self.model, [member], self.started_at, self.tally) for member in self.members]
+class _Row:
+    """A job in the engine: its decoder (cache and position), sampler state and progress."""
+
+    def __init__(self, key: Hashable, job: Job, model: GPT, started_at: float):
+        self.key = key
+        self.job = job
+        self.progress = _Progress(job, started_at)
+        prompt = job.prompt_tokens
+        generating = job.max_new_tokens > 0
+        self.scoring = job.score or not generating
+        # scoring alone needs the stream up to the second-to-last token; generating, the whole prompt
+        self.feed = prompt if generating else prompt[:-1]
+        # adaptive exit's losses come from its own pass (lab.generate.score), not from the prefill
+        self.loss_targets = prompt[1:] if self.scoring and not job.block_set.is_adaptive else []
+        self.decoder = Decoder(model, job.block_set, max_len=len(self.feed) + job.max_new_tokens)
+        self.generator = torch.Generator(device=model.wte.weight.device).manual_seed(job.seed)
+        self.fixed_blocks = None if job.block_set.is_adaptive else self.decoder.blocks
+        self.fed = 0  # prompt tokens prefilled so far
+        self.losses: list[torch.Tensor] = []
+        self.last_token: int | None = None  # the token to feed at the next step, once prefilled
 
     @property
-    def finished(self) -> bool:
-        return not self.members
+    def prefilled(self) -> bool:
+        return self.last_token is not None
 
-    @abstractmethod
-    def step(self) -> list[tuple[int, dict]]:
-        """Advance every job one token (or finish them); their events. ``retire`` runs first, so
-        there are members."""
 
-    def fail(self, error: Exception) -> list[tuple[int, dict]]:
-        """Every job still running gets the error; the group is over."""
-        message = f"{type(error).__name__}: {error}"
-        events = [(position, error_event(500, message)) for position, _ in self.members]
-        self.members = []
+class Engine:
+    """The requests of one worker, advanced a tick at a time; see the module docstring."""
+
+    def __init__(
+        self,
+        model: GPT,
+        tally: Tally = no_tally,
+        *,
+        max_rows: int = 8,
+        prefill_chunk: int = 64,
+        batch_invariant: bool = True,
+    ):
+        self.model = model
+        self.tally = tally
+        self.max_rows = max_rows
+        self.prefill_chunk = prefill_chunk
+        self.batch_invariant = batch_invariant
+        self.rows: list[_Row] = []  # in arrival order
+
+    @property
+    def capacity(self) -> int:
+        """How many more jobs ``add`` takes now."""
+        return self.max_rows - len(self.rows)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows)
+
+    def add(self, key: Hashable, job: Job) -> None:
+        """Take ``job`` (its events will carry ``key``); it is prefilled from the next tick."""
+        if self.capacity <= 0:
+            raise RuntimeError(f"the engine runs {self.max_rows} rows at most")
+        self.rows.append(_Row(key, job, self.model, time.monotonic()))
+
+    @torch.inference_mode()
+    def tick(self) -> list[tuple[Hashable, dict]]:
+        """Retire, prefill a chunk, decode a step; the (key, event) pairs of jobs with news. Each job
+        ends with one ``done`` or ``error`` event, or silently once cancelled."""
+        events = self._retire()
+        decoding = [row for row in self.rows if row.prefilled]
+        budget = self.prefill_chunk if decoding else self.model.config.block_size
+        for row in [row for row in self.rows if not row.prefilled]:
+            if budget <= 0:
+                break
+            while budget > 0 and not row.prefilled and row in self.rows:
+                budget -= self.prefill_chunk
+                events += self._guarded(row, self._prefill_chunk)
+        if decoding:
+            events += self._decode(decoding)
+        for _, event in events:
+            if event["event"] == "done":
+                self.tally("requests_done", 1)
+            elif event["event"] == "error":
+                self.tally("requests_timed_out" if event["status"] == 504 else "requests_failed", 1)
         return events
 
-    def retire(self) -> list[tuple[int, dict]]:
+    def abort(self, error: Exception) -> list[tuple[Hashable, dict]]:
+        """Fail every job held (the worker's loop broke); the engine is empty after."""
+        events = [(row.key, error_event(500, f"{type(error).__name__}: {error}")) for row in self.rows]
+        self.rows = []
+        return events
+
+    def run(self, jobs: list[tuple[Hashable, Job]]) -> Iterator[list[tuple[Hashable, dict]]]:
+        """In-process use: every (key, job), admitted as rows free up; per tick, the events."""
+        waiting = list(jobs)
+        while waiting or self.busy:
+            while waiting and self.capacity > 0:
+                self.add(*waiting.pop(0))
+            events = self.tick()
+            if events:
+                yield events
+
+    # -- the parts of a tick ----------------------------------------------------------------------
+
+    def _retire(self) -> list[tuple[Hashable, dict]]:
         """Drop the jobs whose client is gone (silently) and those past their deadline (a 504 event)."""
         now = time.monotonic()
         events, running = [], []
-        for position, job in self.members:
-            if job.cancelled():
+        for row in self.rows:
+            job = row.job
+            try:
+                cancelled = job.cancelled()
+            except Exception as error:  # the check is the caller's code: its failure ends this job only
+                events.append((row.key, error_event(500, f"{type(error).__name__}: {error}")))
+                continue
+            if cancelled:
                 self.tally("requests_cancelled", 1)
             elif now > job.deadline:
-                made = len(self.progress[position].new_tokens)
+                made = len(row.progress.new_tokens)
                 message = (
                     f"request timeout: not finished within {job.deadline - job.submitted_at:g} s "
                     f"(the server's --request-timeout), stopped after {made} new tokens"
                 )
-                events.append((position, error_event(504, message)))
+                events.append((row.key, error_event(504, message)))
             else:
-                running.append((position, job))
-        self.members = running
+                running.append(row)
+        self.rows = running
         return events
 
+    def _guarded(self, row: _Row, work: Callable[[_Row], list[tuple[Hashable, dict]]]):
+        """``work(row)``; should it raise, the row alone ends with a 500 event."""
+        try:
+            return work(row)
+        except Exception as error:
+            self._finish(row)
+            return [(row.key, error_event(500, f"{type(error).__name__}: {error}"))]
 
-class _Scoring(_Group):
-    """Score-only jobs under one fixed block set: one right-padded forward pass."""
+    def _finish(self, row: _Row) -> None:
+        self.rows.remove(row)
 
-    def step(self) -> list[tuple[int, dict]]:
-        events = []
-        block_set = self.members[0][1].block_set
-        lengths = [len(job.prompt_tokens) for _, job in self.members]
-        width = max(lengths)
-        padded = [
-            job.prompt_tokens + [tokens.EOT] * (width - len(job.prompt_tokens)) for _, job in self.members
-        ]
-        idx = torch.tensor(padded, device=self.model.wte.weight.device)  # [B, T]
+    def _prefill_chunk(self, row: _Row) -> list[tuple[Hashable, dict]]:
+        """The row's next chunk of prompt; at the end of the prompt its score and first token."""
+        job, progress = row.job, row.progress
         start = time.monotonic()
-        stream = self.model.residual_stream(idx[:, :-1], block_set=block_set)  # [B, T-1, D]
-        losses = [_losses(self.model, stream[row], idx[row], length) for row, length in enumerate(lengths)]
-        prefill_s = time.monotonic() - start
-        blocks_run = block_set.blocks_to_run(self.model.config.n_layer)
-        for row, (position, _) in enumerate(self.members):
-            progress = self.progress[position]
-            progress.prefill_s = prefill_s
-            progress.scored(losses[row])
-            progress.blocks_per_token = [len(blocks_run)] * len(losses[row])
-            events.append((position, progress.done("scored", blocks_run)))
-        self.members = []
+        if job.block_set.is_adaptive and row.scoring and row.fed == 0:
+            scored = lab_generate.score(self.model, job.prompt_tokens, job.block_set)
+            progress.scored(torch.tensor(scored.token_losses))
+            if job.max_new_tokens == 0:
+                progress.blocks_per_token = [len(blocks) for blocks in scored.blocks_per_token]
+                progress.prefill_s = time.monotonic() - start
+                self._finish(row)
+                return [(row.key, progress.done("scored", None))]
+        chunk_end = min(row.fed + self.prefill_chunk, len(row.feed))
+        stream = row.decoder.extend(row.feed[row.fed : chunk_end])  # [t, D]
+        targets = row.loss_targets[row.fed : chunk_end]
+        if targets:
+            row.losses.append(_losses(self.model, stream, targets))
+        row.fed = chunk_end
+        progress.prefill_s += time.monotonic() - start
+        if row.fed < len(row.feed):
+            return []
+        if row.losses:
+            progress.scored(torch.cat(row.losses))
+        if job.max_new_tokens == 0:
+            progress.blocks_per_token = [len(row.fixed_blocks)] * len(job.prompt_tokens[1:])
+            self._finish(row)
+            return [(row.key, progress.done("scored", row.fixed_blocks))]
+        logits = self.model.unembed(stream[None, -1:])[0, -1]  # [V]
+        blocks = len(row.decoder.prefill_set.blocks_to_run(self.model.config.n_layer))
+        return self._emit(row, logits, blocks)
+
+    def _decode(self, rows: list[_Row]) -> list[tuple[Hashable, dict]]:
+        """One step for ``rows`` together; should it raise, each row alone (only bad rows fail)."""
+        try:
+            invariant = rows_alone() if self.batch_invariant else contextlib.nullcontext()
+            with invariant:
+                decoders, fed = [row.decoder for row in rows], [row.last_token for row in rows]
+                logits, blocks_run = decode_rows(self.model, decoders, fed)  # [B, V]
+        except Exception as error:
+            if len(rows) == 1:
+                self._finish(rows[0])
+                return [(rows[0].key, error_event(500, f"{type(error).__name__}: {error}"))]
+            logger.warning("a step of %d rows failed (%r); each runs again alone", len(rows), error)
+            self.tally("batches_split", 1)
+            return [event for row in rows for event in self._decode([row])]
+        events = []
+        for b, row in enumerate(rows):
+            row.progress.batch_size = max(row.progress.batch_size, len(rows))
+            events += self._emit(row, logits[b], len(blocks_run[b]))
         return events
 
-
-class _Generation(_Group):
-    """Generating jobs under one fixed block set: one left-padded prefill, one cache."""
-
-    def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float, tally: Tally):
-        super().__init__(model, members, started_at, tally)
-        device = model.wte.weight.device
-        self.block_set = members[0][1].block_set
-        self.blocks_run = self.block_set.blocks_to_run(model.config.n_layer)
-        self.generators = {}
-        for position, job in members:
-            self.generators[position] = torch.Generator(device=device).manual_seed(job.seed)
-        self.cache: KVCache | None = None
-        self.padding: torch.Tensor | None = None  # [B] leading pad tokens per row; None: none anywhere
-        self.cache_rows: list[int] = []  # the job (position) of each row of the cache
-        self.last_tokens: dict[int, int] = {}
-
-    def step(self) -> list[tuple[int, dict]]:
-        events = []
-        if self.cache is None:
-            logits = self._prefill()  # [B, V]
-        else:
-            if len(self.members) < len(self.cache_rows):  # some retired since the last step
-                self._keep_rows([self.cache_rows.index(position) for position, _ in self.members])
-            last = [[self.last_tokens[position]] for position, _ in self.members]
-            idx = torch.tensor(last, device=self.model.wte.weight.device)  # [B, 1]
-            logits = self.model(idx, self.cache, self.block_set, self.padding)[:, -1].float()  # [B, V]
-
-        still_running = []
-        for row, (position, job) in enumerate(self.members):
-            progress = self.progress[position]
-            token = pick_token(logits[row], job.temperature, job.top_k, self.generators[position])
-            if token == tokens.EOT:
-                events.append((position, progress.done("stop", self.blocks_run)))
-                continue
-            self.tally("tokens_generated", 1)
-            event = progress.token(token, len(self.blocks_run))
-            if event is not None:
-                events.append((position, event))
-            if len(progress.new_tokens) == job.max_new_tokens:
-                events.append((position, progress.done("length", self.blocks_run)))
-                continue
-            self.last_tokens[position] = token
-            still_running.append((position, job))
-        if still_running and len(still_running) < len(self.members):
-            running = {position for position, _ in still_running}
-            self._keep_rows([row for row, (position, _) in enumerate(self.members) if position in running])
-        self.members = still_running
-        return events
-
-    def _prefill(self) -> torch.Tensor:
-        """One pass over every row's prompt; fills the cache. The logits [B, V] after each prompt."""
-        cfg = self.model.config
-        prompts = [job.prompt_tokens for _, job in self.members]
-        weight = self.model.wte.weight
-        width = max(map(len, prompts))
-        pads = [width - len(prompt) for prompt in prompts]
-        max_len = width + max(job.max_new_tokens for _, job in self.members)
-        start = time.monotonic()
-        self.cache = KVCache(
-            cfg, batch_size=len(prompts), max_len=max_len, device=weight.device, dtype=weight.dtype
-        )
-        self.cache_rows = [position for position, _ in self.members]
-        if any(pads):
-            self.padding = torch.tensor(pads, device=weight.device)  # [B]
-        padded = [[tokens.EOT] * pad + prompt for pad, prompt in zip(pads, prompts, strict=True)]
-        idx = torch.tensor(padded, device=weight.device)  # [B, T]
-        stream = self.model.residual_stream(idx, self.cache, self.block_set, self.padding)  # [B, T, D]
-        for row, (position, job) in enumerate(self.members):
-            if job.score:
-                real = slice(pads[row], width)
-                losses = _losses(self.model, stream[row, real], idx[row, real], width - pads[row])
-                self.progress[position].scored(losses)
-        next_logits = self.model.unembed(stream[:, -1:]).float()[:, 0]  # [B, V]
-        prefill_s = time.monotonic() - start
-        for position, _ in self.members:
-            self.progress[position].prefill_s = prefill_s
-        return next_logits
-
-    def _keep_rows(self, rows: list[int]) -> None:
-        """Drop finished rows from the cache so later steps do not compute them."""
-        self.cache_rows = [self.cache_rows[row] for row in rows]
-        keep = torch.tensor(rows, device=self.cache.k.device)
-        self.cache.k = self.cache.k[:, keep]  # [L, B', H, T_max, Dh]
-        self.cache.v = self.cache.v[:, keep]  # [L, B', H, T_max, Dh]
-        if self.padding is not None:
-            self.padding = self.padding[keep]  # [B']
-
-
-class _Adaptive(_Group):
-    """One job under adaptive exit, through ``lab.generate`` (depth is decided per token)."""
-
-    def __init__(self, model: GPT, members: list[tuple[int, Job]], started_at: float, tally: Tally):
-        super().__init__(model, members, started_at, tally)
-        ((self.position, self.job),) = members
-        self.steps: Iterator[lab_generate.Step] | None = None
-
-    def step(self) -> list[tuple[int, dict]]:
-        events = []
-        job, progress = self.job, self.progress[self.position]
-        if self.steps is None:
-            start = time.monotonic()
-            if job.score or job.max_new_tokens == 0:
-                scored = lab_generate.score(self.model, job.prompt_tokens, job.block_set)
-                progress.scored(torch.tensor(scored.token_losses))
-                if job.max_new_tokens == 0:
-                    progress.blocks_per_token = [len(blocks) for blocks in scored.blocks_per_token]
-                    progress.prefill_s = time.monotonic() - start
-                    self.members = []
-                    return [(self.position, progress.done("scored", None))]
-            self.steps = lab_generate.generate(
-                self.model,
-                job.prompt_tokens,
-                job.max_new_tokens,
-                temperature=job.temperature,
-                top_k=job.top_k,
-                seed=job.seed,
-                stop_token=tokens.EOT,
-                block_set=job.block_set,
-            )
-            progress.prefill_s = time.monotonic() - start  # the first next() below adds the prefill
-        step = next(self.steps)
-        if step.token == tokens.EOT:
-            self.members = []
-            return [(self.position, progress.done("stop", None))]
+    def _emit(self, row: _Row, logits: torch.Tensor, blocks: int) -> list[tuple[Hashable, dict]]:
+        """Draw the row's next token from logits [V]; its events, and the row's end when it ends."""
+        job, progress = row.job, row.progress
+        logits = logits.float()
+        if len(progress.new_tokens) < job.min_tokens and not job.ignore_eos:
+            logits[tokens.EOT] = float("-inf")
+        token = pick_token(logits, job.temperature, job.top_k, row.generator, job.top_p)
+        if token == tokens.EOT and not job.ignore_eos:
+            self._finish(row)
+            return [(row.key, progress.done("stop", row.fixed_blocks))]
         self.tally("tokens_generated", 1)
-        event = progress.token(step.token, len(step.blocks_run))
-        if event is not None:
-            events.append((self.position, event))
-        if len(progress.new_tokens) == job.max_new_tokens:
-            events.append((self.position, progress.done("length", None)))
-            self.members = []
-        return events
-
-
-class Engine:
-    """Runs batches of jobs on one model; see the module docstring for how they share passes."""
-
-    def __init__(self, model: GPT, tally: Tally = no_tally):
-        self.model = model
-        self.tally = tally
-
-    def groups(self, jobs: list[tuple[int, Job]], started_at: float) -> list[_Group]:
-        """Split (position, job) pairs into groups that can share forward passes."""
-        scoring: dict[BlockSet, list[tuple[int, Job]]] = {}
-        generating: dict[BlockSet, list[tuple[int, Job]]] = {}
-        adaptive = []
-        for position, job in jobs:
-            if job.block_set.is_adaptive:
-                adaptive.append(_Adaptive(self.model, [(position, job)], started_at, self.tally))
-            else:
-                by_block_set = scoring if job.max_new_tokens == 0 else generating
-                by_block_set.setdefault(job.block_set, []).append((position, job))
-        groups: list[_Group] = [
-            _Scoring(self.model, members, started_at, self.tally) for members in scoring.values()
-        ]
-        for members in generating.values():
-            for packed in self._pack(members):
-                groups.append(_Generation(self.model, packed, started_at, self.tally))
-        return groups + adaptive
-
-    def _pack(self, members: list[tuple[int, Job]]) -> list[list[tuple[int, Job]]]:
-        """Split generating jobs, shortest prompt first, into runs whose longest prompt plus largest
-        ``max_new_tokens`` fit the context (each job alone fits: the request was checked)."""
-        context = self.model.config.block_size
-        packs: list[list[tuple[int, Job]]] = []
-        most_new = 0  # the largest max_new_tokens in the last pack
-        for position, job in sorted(members, key=lambda member: len(member[1].prompt_tokens)):
-            # sorted: this job's prompt is the longest of the pack it joins
-            if packs and len(job.prompt_tokens) + max(most_new, job.max_new_tokens) <= context:
-                packs[-1].append((position, job))
-                most_new = max(most_new, job.max_new_tokens)
-            else:
-                packs.append([(position, job)])
-                most_new = job.max_new_tokens
-        return packs
-
-    @torch.inference_mode()
-    def run(self, jobs: list[tuple[int, Job]]) -> Iterator[list[tuple[int, dict]]]:
-        """Per tick, the (position, event) pairs of every job with news; each job ends with one
-        ``done`` or ``error`` event (or silently, once cancelled)."""
-        groups = self.groups(jobs, time.monotonic())
-        while groups:
-            events = []
-            alone: list[_Group] = []
-            for group in groups:
-                try:
-                    events += group.retire()
-                    if group.finished:
-                        continue
-                    events += group.step()
-                    group.began = True
-                except Exception as error:  # one group's failure must not end the others
-                    split = group.split()
-                    if split:  # its jobs run again, each alone, from the next tick
-                        logger.warning("a batch of %d failed (%r); each runs again alone", len(split), error)
-                        self.tally("batches_split", 1)
-                        alone += split
-                        group.members = []
-                    else:
-                        events += group.fail(error)
-            groups = [group for group in groups if not group.finished] + alone
-            for _, event in events:
-                if event["event"] == "done":
-                    self.tally("requests_done", 1)
-                elif event["event"] == "error":
-                    self.tally("requests_timed_out" if event["status"] == 504 else "requests_failed", 1)
-            if events:
-                yield events
+        event = progress.token(token, blocks)
+        events = [] if event is None else [(row.key, event)]
+        if progress.stopped_at is not None:
+            finish = "stop"
+        elif len(progress.new_tokens) == job.max_new_tokens:
+            finish = "length"
+        else:
+            row.last_token = token
+            return events
+        self._finish(row)
+        return [*events, (row.key, progress.done(finish, row.fixed_blocks))]
