@@ -247,7 +247,7 @@ class Engine:
             if budget <= 0:
                 break
             while budget > 0 and not row.prefilled and row in self.rows:
-                budget -= self.prefill_chunk
+                budget -= min(self.prefill_chunk, len(row.feed) - row.fed)
                 events += self._guarded(row, self._prefill_chunk)
         if decoding:
             events += self._decode(decoding)

@@ -195,8 +195,9 @@ def test_streaming_equals_non_streaming(client):
         assert done["response"][key] == whole[key]
 
 
-def test_concurrent_requests_batch_and_block_sets_never_mix(client):
-    """A slow request holds the worker; what queues behind it runs as one batch, grouped by block set."""
+def test_concurrent_requests_of_every_block_set_share_steps_and_get_what_they_get_alone(client):
+    """A slow request holds the worker; what arrives meanwhile joins it between steps, every block set
+    in the same decode steps, and each request gets exactly the tokens it gets alone."""
     slow = {"prompt": "The" + SLOW_WORD + " cat", "max_new_tokens": 1}
     specs = ["all", "skip=1", "all", "skip=1", "exit=2", "all"]
     alone = {spec: predict(client, prompt=PROMPT, max_new_tokens=4, blocks=spec) for spec in set(specs)}
@@ -210,11 +211,7 @@ def test_concurrent_requests_batch_and_block_sets_never_mix(client):
         assert held.result().status_code == 200
     for spec, out in zip(specs, outs, strict=True):
         assert out["block_set"] == spec and out["tokens"] == alone[spec]["tokens"]
-    sizes = {
-        spec: max(out["batch_size"] for s, out in zip(specs, outs, strict=True) if s == spec)
-        for spec in specs
-    }
-    assert sizes["all"] == 3 and sizes["skip=1"] == 2 and sizes["exit=2"] == 1
+    assert max(out["batch_size"] for out in outs) == len(specs)  # all six decoded in the same steps
 
 
 def test_a_crashing_request_gets_500_and_the_server_keeps_serving(client):

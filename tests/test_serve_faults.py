@@ -33,8 +33,10 @@ def slow_server(slow_s: float, *args: str, step_s: float = 0.0) -> ServerProcess
 
 @pytest.fixture(scope="module")
 def small_server():
-    """At most 4 requests in flight, 1 s of queueing; 20 ms a step, 2 s for a prompt with SLOW_WORD."""
-    with slow_server(2.0, "--max-in-flight", "4", "--queue-timeout", "1", step_s=0.02) as server:
+    """At most 4 requests in flight, 1 s of queueing; 20 ms a step, 2 s for a prompt with SLOW_WORD.
+    One row at a time, so that requests queue behind a running one."""
+    args = ("--max-in-flight", "4", "--queue-timeout", "1", "--max-batch-size", "1")
+    with slow_server(2.0, *args, step_s=0.02) as server:
         yield server
 
 
@@ -108,17 +110,20 @@ def test_a_non_streaming_client_that_gives_up_stops_its_generation(small_server)
 def test_a_killed_worker_fails_its_requests_fast_and_is_replaced():
     """SIGKILL to the worker under load: what it held gets 503 within seconds, what waited runs on
     the replacement, nothing hangs, and load after the replacement gets only 200s."""
-    # --batch-timeout: both slow requests land in the worker's batch before it is killed
-    with slow_server(3.0, "--batch-timeout", "0.5") as server, ThreadPoolExecutor(4) as pool:
+    # --batch-timeout: the idle worker waits a second for company, so both slow requests are in its
+    # engine when their 3 s prefill starts; the load, sent after, queues behind that pass and runs on
+    # the replacement
+    with slow_server(3.0, "--batch-timeout", "1.0") as server, ThreadPoolExecutor(4) as pool:
         info = httpx.get(server.url + "/info").json()
         assert info["model"]["depth"] == 4
+        in_flight = pool.submit(post, server.url, slow_body())
+        streamed = pool.submit(post, server.url, slow_body(stream=True, blocks="skip=1"))
+        time.sleep(1.5)
         stop = threading.Event()
         load = pool.submit(
             run_load, server.url, clients=3, duration_s=120, accept=frozenset({200, 503}), stop=stop
         )
-        in_flight = pool.submit(post, server.url, slow_body())
-        streamed = pool.submit(post, server.url, slow_body(stream=True, blocks="skip=1"))
-        time.sleep(1.0)
+        time.sleep(0.3)
         (worker,) = server.workers()
         killed_at = time.monotonic()
         os.kill(worker, signal.SIGKILL)
