@@ -51,6 +51,11 @@ CLIENT_GONE = 499
 TIMEOUT_GRACE_S = 2.0
 """How long past a request's deadline the gateway waits for the worker's own 504 (sent at its next
 step) before answering 504 itself: only a step that never returns takes that long."""
+OUTCOMES = ("done", "failed", "rejected", "timed_out", "worker_died", "cancelled")
+"""How an admitted request ends: done (200), failed (500), rejected by the worker (4xx), timed_out
+(504: not taken within the queue timeout, or past the request timeout), worker_died (503), cancelled
+(the client left first)."""
+OUTCOME_OF_STATUS = {503: "worker_died", 504: "timed_out", 499: "cancelled"}
 PUBLIC_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 """What answers without the API key: load balancers' health checks, and the schema (no secrets)."""
 
@@ -149,6 +154,9 @@ class Gateway:
         self.free_slots = deque(range(max_in_flight))
         self.admitted = 0
         """Requests admitted so far; the count is each one's ticket."""
+        self.ended = dict.fromkeys(OUTCOMES, 0)
+        """How admitted requests ended, each in exactly one of ``OUTCOMES``: with the ones in flight
+        they add up to ``admitted``."""
 
     def admit(self, request: PredictRequest) -> Submission:
         """Check, admit and queue ``request``; HTTPException 422, 429 or 503 when it cannot be."""
@@ -188,6 +196,7 @@ class Gateway:
             "in_flight": self.max_in_flight - len(self.free_slots),
             "max_in_flight": self.max_in_flight,
             "admitted": self.admitted,
+            "ended": dict(self.ended),
             **self.api.shared.totals(),
         }
 
@@ -195,7 +204,8 @@ class Gateway:
         return {"Retry-After": str(self.retry_after_s)}
 
     def error_response(self, event: dict, path: str) -> JSONResponse:
-        headers = self._retry_after() if event["status"] in (429, 503) else None
+        """An error event as the client's response; shedding (429, 503, 504) says when to come back."""
+        headers = self._retry_after() if event["status"] in (429, 503, 504) else None
         return error_response(path, event["status"], event["message"], headers)
 
 
@@ -208,6 +218,7 @@ class Submission:
         self.item = item
         self.admission = admission
         self.finished = False
+        self.outcome = "cancelled"  # until a last event says otherwise: the client left, or shutdown
         self.closed = False
         self.worker = None
         """The process running this request, once it has taken it."""
@@ -219,12 +230,12 @@ class Submission:
             while self.item.response_queue:
                 event = _from_worker(*self.item.response_queue.popleft())
                 if event is not None:
-                    self.finished = event["event"] in ("done", "error")
-                    return event
+                    self.finished = event["event"] in ("done", "error")  # the worker is done with it
+                    return self._seen(event)
             if self.worker is not None and not self.worker.is_alive():
                 # LitServe's monitor fails a dead worker's requests, but skips one whose event is set
                 # at that moment (it takes it for answered): this catches those.
-                return error_event(503, WORKER_DIED)
+                return self._seen(error_event(503, WORKER_DIED))
             if self.worker is None and self.item.worker_id is not None:
                 self.worker = self.gateway.worker_process(self.item.worker_id)
             self.item.event.clear()
@@ -234,21 +245,30 @@ class Submission:
             queue_limit = self.admission.submitted_at + gateway.queue_timeout if queued else math.inf
             hard_limit = self.admission.deadline + TIMEOUT_GRACE_S
             if now > queue_limit:
-                return error_event(
+                return self._seen(error_event(
                     504, f"queue timeout: no worker took the request within {gateway.queue_timeout:g} s"
-                )
+                ))  # fmt: skip
             if now > hard_limit:
-                return error_event(
+                return self._seen(error_event(
                     504,
                     f"request timeout: no answer within {gateway.request_timeout:g} s (the server's "
                     f"--request-timeout) and {TIMEOUT_GRACE_S:g} s of grace: its worker is stuck in a step",
-                )
+                ))  # fmt: skip
             limit = min(queue_limit, hard_limit, now + POLL_S) - now + 0.01
             try:
                 await asyncio.wait_for(self.item.event.wait(), limit)
             except asyncio.TimeoutError:
                 if client is not None and await client.is_disconnected():
-                    return error_event(CLIENT_GONE, "client disconnected")
+                    return self._seen(error_event(CLIENT_GONE, "client disconnected"))
+
+    def _seen(self, event: dict) -> dict:
+        """Note a last event's outcome (``OUTCOMES``) as it passes; returns it."""
+        if event["event"] == "done":
+            self.outcome = "done"
+        elif event["event"] == "error":
+            status = event["status"]
+            self.outcome = OUTCOME_OF_STATUS.get(status, "rejected" if status < 500 else "failed")
+        return event
 
     async def final_event(self, client: Request | None = None) -> dict:
         """Wait through any token events for the ``done`` or ``error`` event."""
@@ -262,6 +282,7 @@ class Submission:
         if self.closed:
             return
         self.closed = True
+        self.gateway.ended[self.outcome] += 1
         self.gateway.server.response_buffer.pop(self.uid, None)
         if not self.finished:
             self.gateway.api.shared.cancelled[self.admission.slot] = self.admission.ticket

@@ -75,8 +75,12 @@ def test_overload_gets_429_then_504_and_the_server_recovers(small_server):
         assert statuses == [504, 504, 504]  # waited past the 1 s queue timeout, none hung
         assert time.monotonic() - started < 1.5
         assert "queue timeout" in queued[0].result().json()["detail"]
+        assert queued[0].result().headers["Retry-After"] == "1"  # shedding says when to come back
         assert held.result().status_code == 200
         assert post(server.url, {"prompt": PROMPT, "max_new_tokens": 2}).status_code == 200
+    counts = stats(server)
+    assert counts["ended"]["timed_out"] >= 3
+    assert sum(counts["ended"].values()) + counts["in_flight"] == counts["admitted"]
 
 
 def test_a_client_that_disconnects_stops_its_generation(small_server):

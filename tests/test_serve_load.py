@@ -96,7 +96,9 @@ def test_more_clients_than_admitted_all_end_and_the_server_recovers(server):
     assert set(report.statuses) <= {str(status) for status in REFUSALS}
     assert report.statuses.get("429", 0) > 0 and report.statuses.get("200", 0) > 0, report.statuses
     assert max(peak) <= MAX_IN_FLIGHT
-    assert settled(server)["in_flight"] == 0  # no slot leaked
+    after = settled(server)
+    assert after["in_flight"] == 0  # no slot leaked
+    assert sum(after["ended"].values()) == after["admitted"]  # every admitted request ended once
     assert httpx.get(server.url + "/health").status_code == 200
     after = run_load(server.url, clients=2, duration_s=1.0)
     assert after.requests > 0 and after.statuses == {"200": after.requests} and after.problems == []
