@@ -1,7 +1,10 @@
-"""Benchmark the server in one run: HTTP overhead, batching throughput, latency with blocks skipped.
+"""Benchmark the server in one run: HTTP overhead, batching throughput, latency with blocks skipped,
+and the scheduler (head-of-line blocking, time to first token, block sets sharing steps, batch
+invariance).
 
-    python scripts/bench_serve.py            # about two minutes on 2 CPU cores
-    python scripts/bench_serve.py --json     # the numbers as JSON
+    python scripts/bench_serve.py                                   # a few minutes on 2 CPU cores
+    python scripts/bench_serve.py --json                            # the numbers as JSON
+    python scripts/bench_serve.py --only scheduling --models gpt2-random:int4 builtin:float32
 
 1. Overhead at batch 1: the same one-token request to a tiny model, in-process (``BlockLabAPI``'s
    decode_request + predict, what a worker runs) and over HTTP to a real server (keep-alive, one
@@ -12,6 +15,19 @@
    prompts of 8 different lengths (left-padded into one batch, see ``serve.engine``).
 3. Latency with blocks skipped: the same requests one at a time under ``all``, half the blocks
    skipped, and an exit at half depth.
+4. The scheduler, per model (``--models SPEC:DTYPE``; GPT-2 small shapes in int4 and the builtin
+   model by default), each against its own baseline of this run:
+   - head-of-line: a 1-token request sent 0.5 s into a 200-token generation, against the same
+     request alone plus 6 decode steps (target: within 3x alone + 6 steps);
+   - 4 closed-loop streaming clients: median time to first token against a lone request's plus 4
+     decode steps;
+   - 4 requests of 4 block sets (adaptive among them) at once against one after another (target
+     >= 1.6x the throughput), and 8 adaptive clients against one (target >= 2x);
+   - 4 clients under ``skip`` of half the blocks against ``all``: time per output token (target
+     <= 0.7x);
+   - one prompt scored and sampled alone and inside 8 mixed requests: the largest loss difference
+     and whether the seeded tokens are the same;
+   - 8 clients against 1: requests per second, with and without ``--no-batch-invariant``.
 
 Every number is measured in this run against a baseline of this run; the machine's load average is
 reported with them, because on a shared CPU it moves them.
@@ -156,26 +172,195 @@ def throughput_and_skips(requests: int, clients: int, new_tokens: int) -> dict:
     }
 
 
+def _stream(client: httpx.Client, body: dict) -> tuple[float, float, dict]:
+    """Send a streaming request; (time to first token, total time, the summary) in seconds."""
+    start = time.perf_counter()
+    first, done = None, None
+    with client.stream("POST", "/predict", json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line:
+                continue
+            event = json.loads(line)
+            if event["event"] == "token" and first is None:
+                first = time.perf_counter() - start
+            elif event["event"] == "done":
+                done = event["response"]
+            elif event["event"] == "error":
+                raise RuntimeError(f"{event['status']}: {event['message']}")
+    total = time.perf_counter() - start
+    return (total if first is None else first), total, done
+
+
+def _at_once(client: httpx.Client, bodies: list[dict]) -> tuple[float, list[dict]]:
+    """Send ``bodies`` all at once (streaming); the wall time and the summaries."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        summaries = [done for _, _, done in pool.map(lambda body: _stream(client, body), bodies)]
+    return time.perf_counter() - start, summaries
+
+
+def _one_by_one(client: httpx.Client, bodies: list[dict]) -> float:
+    start = time.perf_counter()
+    for body in bodies:
+        _stream(client, body)
+    return time.perf_counter() - start
+
+
+def scheduling(model: str, dtype: str, invariant: bool = True) -> dict:
+    """Section 4 of the module docstring, on one server of ``model`` in ``dtype``."""
+    args = ["--model", model, "--dtype", dtype, "--max-batch-size", "8"]
+    if not invariant:
+        args.append("--no-batch-invariant")
+    with ServerProcess(args) as server, httpx.Client(base_url=server.url, timeout=600.0) as client:
+        info = client.get("/info").json()["model"]
+        depth = info["depth"]
+        base = {"prompt": PROMPT, "seed": 0, "temperature": 0.0}
+        _stream(client, {**base, "max_new_tokens": 4})  # warm-up
+        # a decode step alone, and a 1-token request alone
+        _, _, long_alone = _stream(client, {**base, "max_new_tokens": 64})
+        step_ms = long_alone["timings"]["per_token_ms"]
+        one_alone = [_stream(client, {**base, "max_new_tokens": 1})[1] for _ in range(5)]
+        one_alone_ms = p50_ms(one_alone)
+        # head-of-line: the same 1-token request 0.5 s into a 200-token generation
+        with ThreadPoolExecutor(2) as pool:
+            long = pool.submit(_stream, client, {**base, "max_new_tokens": 200, "prompt": "def main("})
+            time.sleep(0.5)
+            _, during, _ = _stream(client, {**base, "max_new_tokens": 1})
+            long.result()
+        # 4 streaming clients, closed loop, 16 new tokens each: time to first token
+        ttft_alone = p50_ms([_stream(client, {**base, "max_new_tokens": 16})[0] for _ in range(3)])
+        ttfts = []
+
+        def client_loop(seed: int) -> None:
+            for i in range(3):
+                ttfts.append(_stream(client, {**base, "max_new_tokens": 16, "seed": seed * 10 + i})[0])
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(client_loop, range(4)))
+        # 4 block sets at once against one after another; adaptive clients
+        half = depth // 2
+        skip_half = "skip=" + ",".join(map(str, range(half // 2, half // 2 + half)))
+        adaptive = "adaptive=0.8;min=2;check=probe" if info["exit_probe"] else "adaptive=0.98"
+        mixed_sets = ["all", skip_half, f"exit={half}", adaptive]
+        four = [{**base, "max_new_tokens": 32, "blocks": spec} for spec in mixed_sets]
+        sequential_s = _one_by_one(client, four)
+        together_s, _ = _at_once(client, four)
+        adaptive_bodies = [{**base, "max_new_tokens": 32, "blocks": adaptive, "seed": i} for i in range(8)]
+        one_adaptive_s = _one_by_one(client, adaptive_bodies[:2]) / 2
+        eight_adaptive_s, _ = _at_once(client, adaptive_bodies)
+        # 4 clients: time per output token under skip of half the blocks against all
+        tpot = {}
+        for spec in ("all", skip_half):
+            _, summaries = _at_once(client, [{**base, "max_new_tokens": 32, "blocks": spec, "seed": i}
+                                             for i in range(4)])  # fmt: skip
+            tpot[spec] = statistics.median(done["timings"]["per_token_ms"] for done in summaries)
+        # batch invariance: the same prompt and seed alone and among 7 others of other block sets
+        probe = {**base, "max_new_tokens": 24, "temperature": 1.0, "seed": 7, "score": True}
+        _, _, alone = _stream(client, probe)
+        other_sets = ["all", skip_half, f"exit={half}", adaptive, "all", "skip=1", "all"]
+        others = [
+            {**probe, "prompt": PROMPT[: 20 + 8 * i], "seed": i, "blocks": spec}
+            for i, spec in enumerate(other_sets)
+        ]
+        _, summaries = _at_once(client, [*others[:3], probe, *others[3:]])
+        batched = summaries[3]
+        loss_diff = max(
+            abs(a - b)
+            for a, b in zip(alone["score"]["token_losses"], batched["score"]["token_losses"], strict=True)
+        )
+        # throughput: 8 clients against 1
+        eight = [{**base, "max_new_tokens": 16, "seed": i} for i in range(16)]
+        one_rps = 4 / _one_by_one(client, eight[:4])
+        eight_s, _ = _at_once(client, eight[:8])
+        eight_s2, _ = _at_once(client, eight[8:])
+        eight_rps = 16 / (eight_s + eight_s2)
+    return {
+        "model": model,
+        "dtype": dtype,
+        "batch_invariant": invariant,
+        "decode_step_ms": step_ms,
+        "one_token_alone_ms": round(one_alone_ms, 1),
+        "one_token_during_200_token_generation_ms": round(during * 1000.0, 1),
+        "head_of_line_bound_ms": round(3 * one_alone_ms + 6 * step_ms, 1),
+        "ttft_alone_ms": round(ttft_alone, 1),
+        "ttft_4_clients_p50_ms": round(p50_ms(ttfts), 1),
+        "ttft_bound_ms": round(ttft_alone + 4 * step_ms, 1),
+        "four_block_sets": mixed_sets,
+        "four_block_sets_speedup": round(sequential_s / together_s, 2),
+        "eight_adaptive_speedup": round(8 * one_adaptive_s / eight_adaptive_s, 2),
+        "tpot_ms_4_clients": {spec: round(ms, 2) for spec, ms in tpot.items()},
+        "tpot_skip_half_over_all": round(tpot[skip_half] / tpot["all"], 2),
+        "batched_loss_max_abs_diff": loss_diff,
+        "batched_tokens_equal": alone["tokens"] == batched["tokens"],
+        "batched_batch_size": batched["batch_size"],
+        "throughput_8_clients_over_1": round(eight_rps / one_rps, 2),
+    }
+
+
+def _print_scheduling(r: dict) -> None:
+    mode = "batch-invariant" if r["batch_invariant"] else "shared products"
+    print(f"scheduler, {r['model']} {r['dtype']} ({mode}); decode step {r['decode_step_ms']:.1f} ms")
+    print(
+        f"  1-token request during a 200-token generation: "
+        f"{r['one_token_during_200_token_generation_ms']:.0f} ms (alone {r['one_token_alone_ms']:.0f} ms; "
+        f"target <= {r['head_of_line_bound_ms']:.0f})"
+    )
+    print(
+        f"  4 streaming clients: TTFT p50 {r['ttft_4_clients_p50_ms']:.0f} ms "
+        f"(alone {r['ttft_alone_ms']:.0f}; target <= {r['ttft_bound_ms']:.0f})"
+    )
+    print(
+        f"  4 block sets at once {r['four_block_sets_speedup']:.2f}x one after another (target >= 1.6); "
+        f"8 adaptive clients {r['eight_adaptive_speedup']:.2f}x one (target >= 2)"
+    )
+    print(
+        f"  4 clients, TPOT skip half / all: {r['tpot_skip_half_over_all']:.2f} "
+        f"{r['tpot_ms_4_clients']} (target <= 0.7)"
+    )
+    same = "equal" if r["batched_tokens_equal"] else "DIFFERENT"
+    print(
+        f"  alone vs among 8 mixed: max loss difference {r['batched_loss_max_abs_diff']:.2e}, "
+        f"seeded tokens {same} (batch of {r['batched_batch_size']})"
+    )
+    print(f"  8 clients over 1: {r['throughput_8_clients_over_1']:.2f}x requests/s")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--overhead-requests", type=int, default=300)
     parser.add_argument("--requests", type=int, default=8, help="sequential requests (concurrent: twice)")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["gpt2-random:int4", "builtin:float32"],
+        help="MODEL:DTYPE servers for the scheduler section",
+    )
+    parser.add_argument("--only", choices=["scheduling"], default=None, help="run one section")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    results = {
-        "load_average_before": os.getloadavg()[0],
-        "overhead": overhead(args.overhead_requests),
-        "batching": throughput_and_skips(args.requests, args.clients, args.new_tokens),
-        "load_average_after": os.getloadavg()[0],
-    }
+    results = {"load_average_before": os.getloadavg()[0]}
+    if args.only is None:
+        results["overhead"] = overhead(args.overhead_requests)
+        results["batching"] = throughput_and_skips(args.requests, args.clients, args.new_tokens)
+    results["scheduling"] = []
+    for spec in args.models:
+        model, _, dtype = spec.partition(":")
+        for invariant in (True, False):
+            results["scheduling"].append(scheduling(model, dtype or "float32", invariant))
+    results["load_average_after"] = os.getloadavg()[0]
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    o, b = results["overhead"], results["batching"]
     before, after = results["load_average_before"], results["load_average_after"]
     print(f"load average (1 min): {before:.2f} before, {after:.2f} after")
+    for result in results["scheduling"]:
+        _print_scheduling(result)
+    if args.only is not None:
+        return 0
+    o, b = results["overhead"], results["batching"]
     print(
         f"overhead at batch 1 (tiny model, p50 of {o['requests']} alternating calls): "
         f"in-process {o['in_process_p50_ms']:.3f} ms, HTTP {o['http_p50_ms']:.3f} ms, "

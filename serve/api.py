@@ -22,16 +22,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from queue import Empty
 
 import litserve as ls
 import torch
-from litserve.loops.base import LitLoop
-from litserve.utils import LitAPIStatus, LoopResponseType, PickleableHTTPException
 
 from lab.model import GPT
 from lab.quantize import parameter_count
 from serve.engine import COUNTERS, Engine, Job, Tally, error_event
+from serve.litserve_seam import SeamLoop
 from serve.schema import ModelLimits, PredictRequest, RequestError, resolve
 
 logger = logging.getLogger(__name__)
@@ -222,7 +220,7 @@ class BlockLabAPI(ls.LitAPI):
             yield from self.engine.run(runnable)
 
 
-class ContinuousLoop(LitLoop):
+class ContinuousLoop(SeamLoop):
     """The worker's loop: iteration-level scheduling around ``serve.engine.Engine``."""
 
     def __call__(
@@ -260,29 +258,17 @@ class ContinuousLoop(LitLoop):
 
     def _admit(self, lit_api: BlockLabAPI, request_queue, transport, routes, timeout: float = 0.0) -> bool:
         """Take one request off the queue (waiting up to ``timeout``) into the engine; False if none."""
-        if timeout > 0:
-            taken = self.get_request(request_queue, timeout=timeout)
-        else:
-            try:
-                taken = request_queue.get_nowait()
-            except Empty:
-                taken = None
+        taken = self.take(request_queue, timeout)
         if taken is None:
             return False
         response_queue_id, uid, queued_at, request = taken
-        routes[uid] = response_queue_id
-        # START tells the server which worker holds the request, so it can fail it if the worker dies.
-        self.put_response(
-            transport, response_queue_id, uid, (), LitAPIStatus.START, LoopResponseType.STREAMING
-        )
-        timeout_s = lit_api.request_timeout
+        self.started(transport, response_queue_id, uid)
+        timeout_s = lit_api.request_timeout  # LitServe's name for the queue timeout
         if timeout_s not in (None, False, -1) and time.monotonic() - queued_at > timeout_s:
-            error = PickleableHTTPException(504, f"waited more than {timeout_s:g} s in the queue")
-            del routes[uid]
-            self.put_response(
-                transport, response_queue_id, uid, error, LitAPIStatus.ERROR, LoopResponseType.STREAMING
-            )
+            message = f"waited more than {timeout_s:g} s in the queue"
+            self.refuse(transport, response_queue_id, uid, 504, message)
             return True
+        routes[uid] = response_queue_id
         try:
             job = lit_api.decode_request(request)
         except Exception as error:  # decode_request answers bad requests itself; this is a bug
@@ -295,6 +281,6 @@ class ContinuousLoop(LitLoop):
         return True
 
     def _send(self, transport, routes: dict[str, int], uid: str, event: dict) -> None:
-        self.put_response(transport, routes[uid], uid, event, LitAPIStatus.OK, LoopResponseType.STREAMING)
+        self.reply(transport, routes[uid], uid, event)
         if event["event"] in ("done", "error"):
             del routes[uid]

@@ -12,7 +12,8 @@ key, every route but ``gateway.PUBLIC_PATHS`` (health and the schema) needs it.
 How it runs: LitServe's parts (request queue, response buffer, inference workers, worker monitor
 with ``restart_workers``) with uvicorn in the main thread, as LitServe's ``api_server_worker_type=
 "thread"`` does, so a dead worker's requests are failed at once; not ``LitServer.run`` itself, which
-leaves the HTTP thread running after shutdown and ignores SIGTERM. uvicorn's own graceful shutdown
+leaves the HTTP thread running after shutdown and ignores SIGTERM. Every use of LitServe's internals
+is in ``serve.litserve_seam``. uvicorn's own graceful shutdown
 drains on SIGTERM or Ctrl-C (requests in flight finish, new connections are refused), then the
 workers and LitServe's manager are stopped: no process is left behind.
 """
@@ -23,24 +24,20 @@ import logging
 import os
 import signal
 import subprocess
-import threading
-import time
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
-import litserve as ls
 import uvicorn
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from litserve.server import no_auth
-from litserve.utils import WorkerSetupStatus
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lab.quantize import WEIGHT_DTYPES
 from serve import gateway, openai_compat
 from serve.api import BlockLabAPI, ModelFactory, SharedState, WeightsLoader
+from serve.litserve_seam import SeamServer
 from serve.schema import PredictResponse
 
 logger = logging.getLogger("blocklab.serve")
@@ -112,15 +109,6 @@ def blocklab_version() -> str:
         return metadata.version("blocklab")
 
 
-class _SnapshotDict(dict):
-    """LitServe's response buffer, whose ``items()`` is a copy: LitServe's worker monitor iterates it
-    in its own thread while requests finish (and leave it) in the event loop's; a live view there
-    raises "dictionary changed size during iteration", which kills the monitor for good."""
-
-    def items(self):
-        return list(super().items())
-
-
 ERROR_RESPONSES = {
     400: {"description": "The body is not parseable (not UTF-8, or JSON nested too deep)"},
     401: {"description": "Missing or wrong API key"},
@@ -143,7 +131,7 @@ def _rss_bytes(pid: int) -> int | None:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
-class BlockLabServer(ls.LitServer):
+class BlockLabServer(SeamServer):
     """A LitServer whose model routes go through ``serve.gateway`` (see its docstring for why)."""
 
     def __init__(self, api: BlockLabAPI, config: ServeConfig):
@@ -169,21 +157,14 @@ class BlockLabServer(ls.LitServer):
                 "blocklab_version": blocklab_version(),
             },
         )
-        workers = len(self._inference_workers_config_for_api(api.api_path))
+        workers = self.worker_count(api)
         if workers > SharedState.MAX_WORKERS:
             raise ValueError(f"{workers} workers: at most {SharedState.MAX_WORKERS} are supported")
-        self.response_buffer = _SnapshotDict()
-        self.monitor_internal = 0.5  # seconds between checks for dead workers (LitServe's default: 2)
         self.app.add_exception_handler(RequestValidationError, gateway.validation_error)
         self.app.add_exception_handler(StarletteHTTPException, gateway.http_error)
         self.app.add_api_route("/stats", self._stats, methods=["GET"], summary="Counters and memory")
         if config.api_key is not None:  # outermost: before routing, the size limit and the body
             self.app.add_middleware(gateway.ApiKeyMiddleware, api_key=config.api_key)
-
-    def setup_auth(self, lit_api: BlockLabAPI | None = None):
-        """No per-route check: ``gateway.ApiKeyMiddleware`` guards every route (LitServe would
-        otherwise add its own, X-API-Key only, when $LIT_SERVER_API_KEY is set)."""
-        return no_auth
 
     async def _stats(self) -> dict:
         """Requests in flight and admitted, the workers' counters, and resident memory in bytes."""
@@ -193,8 +174,8 @@ class BlockLabServer(ls.LitServer):
             "rss_bytes": {"server": _rss_bytes(os.getpid()), "workers": [_rss_bytes(pid) for pid in workers]},
         }
 
-    def _register_api_endpoints(self, lit_api: BlockLabAPI, request_type, response_type) -> None:
-        """Our routes instead of LitServe's handler; ``request_type`` is decode_request's annotation."""
+    def register_routes(self, lit_api: BlockLabAPI, request_type) -> None:
+        """``/predict`` and the OpenAI routes; ``request_type`` is decode_request's annotation."""
         admitted = self.gateway
 
         async def predict(request: request_type, client: Request) -> Response:
@@ -229,36 +210,6 @@ def build_server(config: ServeConfig, model_factory: ModelFactory | None = None)
     return BlockLabServer(api, config)
 
 
-def _wait_for_workers(server: BlockLabServer) -> None:
-    """Until every worker has loaded the model; raise if one fails or dies trying."""
-    while True:
-        states = dict(server.workers_setup_status)
-        if states and all(state == WorkerSetupStatus.READY for state in states.values()):
-            return
-        if any(state == WorkerSetupStatus.ERROR for state in states.values()):
-            raise RuntimeError("a worker failed to load the model (its traceback is above)")
-        if any(not worker.is_alive() for worker in server.inference_workers):
-            raise RuntimeError("a worker died while loading the model")
-        time.sleep(0.05)
-
-
-def _stop(server: BlockLabServer, manager) -> None:
-    """Stop the worker monitor first (else it restarts the workers we stop), then workers and manager."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
-    try:
-        server._shutdown_event.set()
-    except OSError:  # the manager is gone already (killed from outside): nothing to tell
-        logger.warning("LitServe's manager process died before shutdown")
-    for thread in threading.enumerate():
-        if thread.name == "litserve-monitoring":
-            thread.join(timeout=5)
-    for worker in server.inference_workers:  # they ignore SIGTERM (see BlockLabAPI.setup)
-        worker.kill()
-        worker.join(timeout=5)
-    server._perform_graceful_shutdown(manager, {}, "normal")
-
-
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -270,19 +221,15 @@ def serve(config: ServeConfig, model_factory: ModelFactory | None = None) -> Non
     signal.signal(signal.SIGTERM, _interrupt)
     server = build_server(config, model_factory)
     api = server.lit_api
-    server.inference_workers = []
     # LitServe's manager process holds the queues every request goes through. Forked while SIGTERM
     # is ignored, it keeps that disposition, so a SIGTERM sent to the whole process group (``timeout``,
     # some supervisors) reaches only this process, which then drains; SIGINT it ignores itself.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    manager = server._init_manager(1)
+    server.start_manager()
     signal.signal(signal.SIGTERM, _interrupt)
-    server.app.response_queue_id = 0
     try:
-        server.inference_workers = server.launch_inference_worker(api)
-        _wait_for_workers(server)
+        server.start_workers(api)
         server.model_metadata.update(api.shared.model_info())
-        server._start_worker_monitoring(manager, {})
         logger.info("serving %s: %s", config.model, server.model_metadata)
         uvicorn.Server(
             uvicorn.Config(
@@ -298,7 +245,9 @@ def serve(config: ServeConfig, model_factory: ModelFactory | None = None) -> Non
             )
         ).run()
     finally:
-        _stop(server, manager)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
+        server.stop()
 
 
 def _parser() -> argparse.ArgumentParser:

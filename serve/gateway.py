@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import pickle
 import secrets
 import time
 import uuid
@@ -31,13 +30,13 @@ from collections.abc import AsyncIterator
 from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from litserve.utils import LitAPIStatus, ResponseBufferItem
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve.api import BlockLabAPI
 from serve.engine import error_event
+from serve.litserve_seam import WORKER_DIED, ResponseBufferItem, event_from_worker
 from serve.schema import Admission, PredictRequest, RequestError, resolve
 
 POLL_S = 0.5
@@ -45,7 +44,6 @@ POLL_S = 0.5
 (a non-streaming one's disconnect is only noticed by asking), whether its worker is still alive, and
 at its queue: LitServe's worker monitor fails a dead worker's requests from its own thread, whose
 ``event.set()`` does not wake the event loop."""
-WORKER_DIED = "the worker running this request died; it is being replaced, retry"
 CLIENT_GONE = 499
 """The status (nginx's convention) of a request whose client disconnected; nobody reads it."""
 TIMEOUT_GRACE_S = 2.0
@@ -58,22 +56,6 @@ OUTCOMES = ("done", "failed", "rejected", "timed_out", "worker_died", "cancelled
 OUTCOME_OF_STATUS = {503: "worker_died", 504: "timed_out", 499: "cancelled"}
 PUBLIC_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 """What answers without the API key: load balancers' health checks, and the schema (no secrets)."""
-
-
-def _from_worker(data, status: str) -> dict | None:
-    """A message from LitServe's response queue as one of our events (None: nothing to report)."""
-    if status == LitAPIStatus.OK:
-        return data
-    if status == LitAPIStatus.ERROR:
-        if data is None:  # LitServe's monitor: the worker holding this request died
-            return error_event(503, WORKER_DIED)
-        error = pickle.loads(data) if isinstance(data, bytes) else data
-        if isinstance(error, HTTPException):
-            return error_event(error.status_code, str(error.detail))
-        return error_event(500, f"{type(error).__name__}: {error}")
-    if status == LitAPIStatus.FINISH_STREAMING:
-        return error_event(500, "the worker ended the response without a summary")
-    return None  # START: only tells LitServe which worker holds the request
 
 
 def error_response(path: str, status: int, detail, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -179,16 +161,8 @@ class Gateway:
         deadline = now + self.request_timeout
         request.admit(Admission(ticket=self.admitted, slot=slot, submitted_at=now, deadline=deadline))
         uid = str(uuid.uuid4())
-        item = ResponseBufferItem(event=asyncio.Event(), response_queue=deque())
-        self.server.response_buffer[uid] = item
-        queue = self.server._get_request_queue(self.api.api_path)
-        queue.put((self.server.app.response_queue_id, uid, now, request))
+        item = self.server.enqueue(self.api, uid, request, now)
         return Submission(self, uid, item, request.admission)
-
-    def worker_process(self, worker_id: int):
-        """The inference worker process ``worker_id`` (LitServe's index for our one API)."""
-        workers = self.server.inference_workers
-        return workers[worker_id] if 0 <= worker_id < len(workers) else None
 
     def stats(self) -> dict:
         """Requests in flight and admitted so far, and the workers' counters (``engine.COUNTERS``)."""
@@ -228,7 +202,7 @@ class Submission:
         disconnects while this waits ends it with a 499 error event (``close`` then cancels the job)."""
         while True:
             while self.item.response_queue:
-                event = _from_worker(*self.item.response_queue.popleft())
+                event = event_from_worker(*self.item.response_queue.popleft())
                 if event is not None:
                     self.finished = event["event"] in ("done", "error")  # the worker is done with it
                     return self._seen(event)
@@ -237,7 +211,7 @@ class Submission:
                 # at that moment (it takes it for answered): this catches those.
                 return self._seen(error_event(503, WORKER_DIED))
             if self.worker is None and self.item.worker_id is not None:
-                self.worker = self.gateway.worker_process(self.item.worker_id)
+                self.worker = self.gateway.server.worker_process(self.item.worker_id)
             self.item.event.clear()
             # Past a limit the request is not finished: the caller's close() cancels it.
             now, gateway = time.monotonic(), self.gateway
@@ -283,7 +257,7 @@ class Submission:
             return
         self.closed = True
         self.gateway.ended[self.outcome] += 1
-        self.gateway.server.response_buffer.pop(self.uid, None)
+        self.gateway.server.forget(self.uid)
         if not self.finished:
             self.gateway.api.shared.cancelled[self.admission.slot] = self.admission.ticket
         self.gateway.free_slots.append(self.admission.slot)
