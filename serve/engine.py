@@ -21,8 +21,9 @@ it ran alone or among any others; prefill is per request and needs nothing more.
 matrix-matrix products: faster with many rows, equal up to rounding.
 
 A step that raises is run again row by row, so one bad request fails alone. Nothing here knows
-about HTTP or LitServe: ``tick`` returns the events (plain dicts, ``serve.schema`` describes them) of
-the jobs that have news, and counts what happened through a ``Tally``.
+about HTTP or LitServe: ``tick`` returns the events of the jobs that have news (built as
+``serve.schema``'s models, then dumped to plain dicts for the trip to the HTTP side), and counts what
+happened through a ``Tally``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from lab import tokens
 from lab.blocks import BlockSet
 from lab.generate import Decoder, decode_rows, pick_token
 from lab.model import GPT, rows_alone
+from serve.schema import DoneEvent, ErrorEvent, PredictResponse, PromptScore, Timings, TokenEvent
 
 logger = logging.getLogger(__name__)
 
@@ -136,42 +138,42 @@ class _Progress:
         if not self.job.stream:
             return None
         index = len(self.new_tokens) - 1
-        return {"event": "token", "index": index, "token": token, "text": piece, "blocks": blocks}
+        return TokenEvent(index=index, token=token, text=piece, blocks=blocks).model_dump()
 
     def scored(self, losses: torch.Tensor) -> None:
-        self.score = {"mean_loss": float(losses.mean()), "token_losses": losses.tolist()}
+        self.score = PromptScore(mean_loss=float(losses.mean()), token_losses=losses.tolist())
 
     def done(self, finish_reason: str, blocks_run: list[int] | None) -> dict:
         now, job = time.monotonic(), self.job
         times, per_token = self.token_times, self.blocks_per_token
         mean_blocks = sum(per_token) / len(per_token) if per_token else float(len(blocks_run or ()))
         text = tokens.decode(self.new_tokens) if self.stopped_at is None else self.text[: self.stopped_at]
-        response = {
-            "id": job.request_id,
-            "text": text,
-            "tokens": self.new_tokens,
-            "prompt_tokens": len(job.prompt_tokens),
-            "finish_reason": finish_reason,
-            "seed": job.seed,
-            "block_set": str(job.block_set),
-            "blocks_run": blocks_run,
-            "blocks_per_token": per_token,
-            "mean_blocks_per_token": mean_blocks,
-            "score": self.score,
-            "timings": {
-                "queue_ms": _ms(self.started_at - job.submitted_at),
-                "prefill_ms": _ms(self.prefill_s),
-                "first_token_ms": _ms(times[0] - job.submitted_at) if times else None,
-                "per_token_ms": _ms((times[-1] - times[0]) / (len(times) - 1)) if len(times) > 1 else None,
-                "total_ms": _ms(now - job.submitted_at),
-            },
-            "batch_size": self.batch_size,
-        }
-        return {"event": "done", "response": response}
+        response = PredictResponse(
+            id=job.request_id,
+            text=text,
+            tokens=self.new_tokens,
+            prompt_tokens=len(job.prompt_tokens),
+            finish_reason=finish_reason,
+            seed=job.seed,
+            block_set=str(job.block_set),
+            blocks_run=blocks_run,
+            blocks_per_token=per_token,
+            mean_blocks_per_token=mean_blocks,
+            score=self.score,
+            timings=Timings(
+                queue_ms=_ms(self.started_at - job.submitted_at),
+                prefill_ms=_ms(self.prefill_s),
+                first_token_ms=_ms(times[0] - job.submitted_at) if times else None,
+                per_token_ms=_ms((times[-1] - times[0]) / (len(times) - 1)) if len(times) > 1 else None,
+                total_ms=_ms(now - job.submitted_at),
+            ),
+            batch_size=self.batch_size,
+        )
+        return DoneEvent(response=response).model_dump()
 
 
 def error_event(status: int, message: str) -> dict:
-    return {"event": "error", "status": status, "message": message}
+    return ErrorEvent(status=status, message=message).model_dump()
 
 
 

@@ -209,10 +209,14 @@ def resolve(request: PredictRequest, limits: ModelLimits) -> Resolved:
 
 
 # --------------------------------------------------------------------------------------------------
-# Responses
+# Responses: the engine builds these (``serve.engine``), so the schema is what it sends.
 
 
-class Timings(BaseModel):
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Timings(_Response):
     """Server-side, in milliseconds, measured in the worker from the moment the request was queued."""
 
     queue_ms: float = Field(description="Queued until its batch started.")
@@ -222,7 +226,7 @@ class Timings(BaseModel):
     total_ms: float = Field(description="Queued until the response was complete.")
 
 
-class PromptScore(BaseModel):
+class PromptScore(_Response):
     mean_loss: float = Field(description="Mean next-token loss (nats) over the prompt.")
     token_losses: list[float] = Field(description="Loss of prompt tokens 1..n-1 given the ones before.")
 
@@ -230,7 +234,7 @@ class PromptScore(BaseModel):
 FinishReason = Literal["length", "stop", "scored"]
 
 
-class PredictResponse(BaseModel):
+class PredictResponse(_Response):
     id: str | None
     text: str
     tokens: list[int] = Field(description="The new token ids (the end-of-text token is not included).")
@@ -248,7 +252,7 @@ class PredictResponse(BaseModel):
     batch_size: int = Field(description="Requests that shared this one's forward passes.")
 
 
-class TokenEvent(BaseModel):
+class TokenEvent(_Response):
     event: Literal["token"] = "token"
     index: int
     token: int
@@ -256,12 +260,12 @@ class TokenEvent(BaseModel):
     blocks: int = Field(description="Blocks this token ran.")
 
 
-class DoneEvent(BaseModel):
+class DoneEvent(_Response):
     event: Literal["done"] = "done"
     response: PredictResponse
 
 
-class ErrorEvent(BaseModel):
+class ErrorEvent(_Response):
     event: Literal["error"] = "error"
     status: int
     message: str
