@@ -2,12 +2,21 @@
 
 Each subcommand lives in its own module with a ``main(argv)``; modules are imported only when their
 command runs, so ``blocklab --help`` is instant and the library does not load the server's stack.
+
+Errors the user can fix (``lab.errors.UserError``, a path that is missing, a directory or not
+readable) end as one line, ``blocklab COMMAND: message``, and exit status 2, like argparse's own;
+every other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 import sys
+import warnings
+
+from lab.errors import UserError
 
 # name -> (module with main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -41,6 +50,27 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _drop_messages_starting(logger: str, *prefixes: str) -> None:
+    logging.getLogger(logger).addFilter(lambda record: not record.getMessage().startswith(prefixes))
+
+
+@functools.cache  # once per process: main() runs many times in tests, the filters need adding once
+def _quiet_known_noise() -> None:
+    """Silence what our dependencies print that a user of blocklab cannot act on; nothing else.
+
+    Each filter matches one message of one library, so a new warning still shows."""
+    # Lightning advertises its cloud logger on every Trainer
+    _drop_messages_starting("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging")
+    # Lightning's checkpoints are written by our own Trainer settings; the default is the one we want
+    _drop_messages_starting(
+        "lightning.pytorch.trainer.connectors.checkpoint_connector", "`weights_only` was not set"
+    )
+    # torch deprecates a class that Lightning's own code still tests against (not our code)
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -50,8 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"blocklab: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return module.main([name, *rest]) or 0
+    _quiet_known_noise()
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+        return module.main([name, *rest]) or 0
+    except UserError as error:
+        message = str(error)
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as error:
+        # open() and Path.read_text() name the file; ours put it in the message
+        message = f"{error.filename}: {error.strerror}" if error.filename else str(error)
+    # one line even when a message quotes a multi-line error from a library
+    print(f"blocklab {name}: " + " ".join(message.split()), file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

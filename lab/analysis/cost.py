@@ -22,6 +22,7 @@ from __future__ import annotations
 from lab.analysis import common
 from lab.analysis.designs import DESIGNS, Design
 from lab.config import PRESETS
+from lab.errors import UserError
 
 PEAK_TFLOPS: dict[str, float] = {
     "A100": 312.0,
@@ -136,7 +137,7 @@ def main(argv: list[str]) -> int:
         design = Design.from_config(common.config_from_args(args), common.config_name(args))
     else:
         if common.config_overrides(args):
-            raise SystemExit(f"{args.config}: GPTConfig overrides apply to the GPT-2 presets only")
+            raise UserError(f"{args.config}: GPTConfig overrides apply to the GPT-2 presets only")
         design = DESIGNS[args.config]
     tokens_per_iter = args.tokens_per_iter or args.batch_size * args.seq_len * args.grad_accum
     tokens = tokens_per_iter * args.iters
