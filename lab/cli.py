@@ -10,7 +10,6 @@ every other exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import sys
@@ -50,22 +49,33 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def _drop_messages_starting(logger: str, *prefixes: str) -> None:
-    logging.getLogger(logger).addFilter(lambda record: not record.getMessage().startswith(prefixes))
+class _DropMessages(logging.Filter):
+    """Drops a logger's records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, *prefixes: str):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
 
 
-@functools.cache  # once per process: main() runs many times in tests, the filters need adding once
-def _quiet_known_noise() -> None:
-    """Silence what our dependencies print that a user of blocklab cannot act on; nothing else.
-
-    Each filter matches one message of one library, so a new warning still shows."""
+# logger -> what of it nobody running blocklab can act on
+_NOISE = {
     # Lightning advertises its cloud logger on every Trainer
-    _drop_messages_starting("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging")
-    # Lightning's checkpoints are written by our own Trainer settings; the default is the one we want
-    _drop_messages_starting(
-        "lightning.pytorch.trainer.connectors.checkpoint_connector", "`weights_only` was not set"
-    )
-    # torch deprecates a class that Lightning's own code still tests against (not our code)
+    "lightning.pytorch.utilities.rank_zero": _DropMessages("💡 Tip: For seamless cloud logging"),
+    # every checkpoint of ours is written by our own Trainer settings: the default is the one we want
+    "lightning.pytorch.trainer.connectors.checkpoint_connector": _DropMessages("`weights_only` was not set"),
+}
+
+
+def _quiet_known_noise() -> None:
+    """Silence what our dependencies print that a user of blocklab cannot act on, one message of one
+    library each, so any other warning still shows. Idempotent: a logging filter or a warnings filter
+    added twice is kept once."""
+    for logger, drop in _NOISE.items():
+        logging.getLogger(logger).addFilter(drop)
+    # torch deprecates a class that Lightning's own code still tests against (not ours)
     warnings.filterwarnings(
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
     )
