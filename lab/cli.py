@@ -4,8 +4,8 @@ Each subcommand lives in its own module with a ``main(argv)``; modules are impor
 command runs, so ``blocklab --help`` is instant and the library does not load the server's stack.
 
 Errors the user can fix (``lab.errors.UserError``, a path that is missing, a directory or not
-readable) end as one line, ``blocklab COMMAND: message``, and exit status 2, like argparse's own;
-every other exception is a bug and keeps its traceback.
+readable, ``SystemExit("message")``) end as one line, ``blocklab COMMAND: message``, and exit status
+2, like argparse's own; every other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -99,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, IsADirectoryError, PermissionError) as error:
         # open() and Path.read_text() name the file; ours put it in the message
         message = f"{error.filename}: {error.strerror}" if error.filename else str(error)
+    except SystemExit as error:
+        if not isinstance(error.code, str):  # argparse's exits, its message already printed
+            raise
+        # a command's own early exit with a message, e.g. serve/traffic.py's checks of its options
+        message = error.code.removeprefix(f"blocklab {name}: ")
     # one line even when a message quotes a multi-line error from a library
     print(f"blocklab {name}: " + " ".join(message.split()), file=sys.stderr)
     return 2

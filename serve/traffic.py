@@ -434,7 +434,7 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv[1:])
     check_loopback(args.url, args.allow_remote)
     if args.concurrency < 1 or args.requests < 1:
-        raise UserError("--concurrency and --requests must be >= 1")
+        raise SystemExit("blocklab traffic: --concurrency and --requests must be >= 1")
     if args.serve is None:
         summaries, meta = asyncio.run(_run(args))
     else:

@@ -123,6 +123,8 @@ def test_traffic(capsys, files):
     assert f"no server at {url}" in one_line_error(capsys, ["traffic", "--url", url])
     line = one_line_error(capsys, ["traffic", "--url", "http://192.0.2.1:8000"])
     assert "not a loopback address" in line
+    line = one_line_error(capsys, ["traffic", "--concurrency", "0"])
+    assert line == "blocklab traffic: --concurrency and --requests must be >= 1"
     with pytest.raises(ValueError, match="empty.txt: no prompts in it"):
         traffic.read_prompts(files / "empty.txt", 4)
 
