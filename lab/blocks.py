@@ -8,25 +8,69 @@ A spec string names a block set on the command line, in the server and in the tr
     overwrite=5         block 5's output is its own writes (attn_out + mlp_out), not stream + writes
     exit=6              run blocks 0..5, then ln_f and the unembedding (logit lens)
     adaptive=0.9        per token, stop once the prediction is judged stable (see lab.generate)
+    adaptive=0.9;min=4  ... never before 4 blocks
     adaptive=0.9;check=probe   ... judged by the model's learned exit probe (lab.exit_probe)
 
-Parts combine with ';', e.g. ``skip=3;exit=9`` or ``adaptive=0.9;min=4``. Spec strings and
+The grammar, the same in every place, with the rules of the ``BlockSet`` fields:
+
+    spec      'all', or parts joined by ';': key=value, each key at most once
+    indices   skip, keep, overwrite: one or more block indices joined by ',', none twice
+    index     exit, min and each block index: ASCII digits only (no sign, '_' or other scripts' digits)
+    number    adaptive: ASCII digits with an optional fraction and exponent (0.9, .5, 1e-3)
+    check     cosine | probe
+    together  skip or keep, not both; min and check only with adaptive; exit not with adaptive
+    spaces    ignored around parts, keys, values and indices (' skip = 3, 4 ; exit=9'), refused inside
+
+``str(BlockSet)`` writes the canonical spec (sorted indices, no spaces, defaults left out), which
+parses back to an equal set. Errors name the part at fault, e.g. ``'skip=1,,2': empty index in skip``;
 ``BlockSet`` fields are validated against the model's depth, naming the field at fault.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
+# spec key -> BlockSet field (keep is BlockSet.keep's argument)
+_FIELDS = {
+    "skip": "skip",
+    "keep": "keep",
+    "overwrite": "overwrite",
+    "exit": "exit_at",
+    "adaptive": "adaptive_threshold",
+    "min": "adaptive_min_blocks",
+    "check": "adaptive_check",
+}
+# [0-9], not \d and not int() alone: both also take other scripts' digits, and int() takes '+6' and '1_2'
+_INDEX = re.compile(r"[0-9]+")
+_NUMBER = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_CHECKS = ("cosine", "probe")
 
-def _index_list(text: str, name: str) -> tuple[int, ...]:
-    try:
-        indices = tuple(int(part) for part in text.split(",") if part.strip() != "")
-    except ValueError:
-        raise ValueError(f"{name}: expected comma-separated block indices, got {text!r}") from None
-    if len(set(indices)) != len(indices):
-        raise ValueError(f"{name}: duplicated block index in {text!r}")
-    return indices
+
+def _parse_value(key: str, value: str, part: str) -> object:
+    """The value of one ``key=value`` part; ValueError naming the part."""
+    if key in ("skip", "keep", "overwrite"):
+        indices = []
+        for item in (item.strip(" ") for item in value.split(",")):
+            if not item:
+                raise ValueError(f"{part!r}: empty index in {key}")
+            if not _INDEX.fullmatch(item):
+                raise ValueError(f"{part!r}: {item!r} is not a block index (ASCII digits) in {key}")
+            if int(item) in indices:
+                raise ValueError(f"{part!r}: duplicated block index {int(item)} in {key}")
+            indices.append(int(item))
+        return tuple(indices)
+    if key in ("exit", "min"):
+        if not _INDEX.fullmatch(value):
+            raise ValueError(f"{part!r}: {key} takes a whole number in ASCII digits, got {value!r}")
+        return int(value)
+    if key == "adaptive":
+        if not _NUMBER.fullmatch(value):
+            raise ValueError(f"{part!r}: adaptive takes a decimal number such as 0.9, got {value!r}")
+        return float(value)
+    if value not in _CHECKS:
+        raise ValueError(f"{part!r}: check is 'cosine' or 'probe', got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -53,6 +97,8 @@ class BlockSet:
     def keep(cls, keep: set[int] | list[int], n_layer: int, **kwargs) -> BlockSet:
         """Only ``keep`` runs; every other block of ``n_layer`` is skipped."""
         kept = set(keep)
+        if not kept:
+            raise ValueError("keep: needs at least one block")
         if len(kept) != len(list(keep)):
             raise ValueError(f"keep: duplicated block index in {sorted(keep)}")
         out_of_range = sorted(i for i in kept if not 0 <= i < n_layer)
@@ -88,6 +134,8 @@ class BlockSet:
             raise ValueError(f"adaptive_check: 'cosine' or 'probe', got {self.adaptive_check!r}")
         if self.adaptive_check != "cosine" and not self.is_adaptive:
             raise ValueError("adaptive_check: needs adaptive=THRESHOLD")
+        if self.adaptive_min_blocks != 1 and not self.is_adaptive:
+            raise ValueError("adaptive_min_blocks: needs adaptive=THRESHOLD")
         return self
 
     def blocks_to_run(self, n_layer: int) -> list[int]:
@@ -97,44 +145,44 @@ class BlockSet:
 
     @classmethod
     def parse(cls, spec: str, n_layer: int) -> BlockSet:
-        """A validated BlockSet for a model of ``n_layer`` blocks from a spec string (module docstring)."""
-        spec = spec.strip()
-        if spec in ("", "all"):
+        """A validated BlockSet for a model of ``n_layer`` blocks from a spec string (the grammar in
+        the module docstring); ValueError naming the part at fault."""
+        if spec.strip(" ") == "all":
             return cls()
-        kwargs: dict = {}
-        keep: tuple[int, ...] | None = None
-        for part in spec.split(";"):
-            key, sep, value = part.strip().partition("=")
+        if not spec.strip(" "):
+            raise ValueError(f"{spec!r}: empty spec (every block is 'all')")
+        values: dict[str, object] = {}
+        parts: dict[str, str] = {}  # key -> its part as written, to name it in errors
+        for part in (part.strip(" ") for part in spec.split(";")):
+            key, sep, value = (text.strip(" ") for text in part.partition("="))
+            if not part:
+                raise ValueError(f"{spec!r}: empty part (parts are key=value joined by ';')")
+            if part == "all":
+                raise ValueError(f"{spec!r}: 'all' stands alone")
             if not sep:
-                raise ValueError(f"block set: expected key=value, got {part!r}")
-            if key == "skip":
-                kwargs["skip"] = frozenset(_index_list(value, "skip"))
-            elif key == "keep":
-                keep = _index_list(value, "keep")
-            elif key == "overwrite":
-                kwargs["overwrite"] = frozenset(_index_list(value, "overwrite"))
-            elif key == "check":
-                kwargs["adaptive_check"] = value.strip()
-            elif key in ("exit", "adaptive", "min"):
-                name, kind = {
-                    "exit": ("exit_at", int),
-                    "adaptive": ("adaptive_threshold", float),
-                    "min": ("adaptive_min_blocks", int),
-                }[key]
-                try:
-                    kwargs[name] = kind(value)
-                except ValueError:
-                    raise ValueError(f"{name}: expected a number, got {value!r}") from None
-            else:
-                raise ValueError(
-                    f"block set: unknown key {key!r} "
-                    "(known: skip, keep, overwrite, exit, adaptive, min, check)"
-                )
-        if keep is not None:
-            if "skip" in kwargs:
-                raise ValueError("block set: give skip or keep, not both")
-            return cls.keep(keep, n_layer, **kwargs).validate(n_layer)
-        return cls(**kwargs).validate(n_layer)
+                raise ValueError(f"{part!r}: expected key=value")
+            if key not in _FIELDS:
+                raise ValueError(f"{part!r}: unknown key {key!r} (known: {', '.join(_FIELDS)})")
+            if key in parts:
+                raise ValueError(f"{part!r}: {key} given twice (also {parts[key]!r})")
+            if not value:
+                raise ValueError(f"{part!r}: {key} needs a value")
+            values[key], parts[key] = _parse_value(key, value, part), part
+        if "skip" in parts and "keep" in parts:
+            raise ValueError(f"{parts['keep']!r}: give skip or keep, not both")
+        for key in ("min", "check"):
+            if key in parts and "adaptive" not in parts:
+                raise ValueError(f"{parts[key]!r}: only with adaptive=THRESHOLD")
+        keep = values.pop("keep", None)
+        fields = {_FIELDS[key]: value for key, value in values.items()}
+        try:
+            if keep is not None:
+                return cls.keep(keep, n_layer, **fields).validate(n_layer)
+            return cls(**fields).validate(n_layer)
+        except ValueError as error:  # messages start with the field: say the part as written
+            name, _, message = str(error).partition(": ")
+            key = next((key for key, field_ in _FIELDS.items() if field_ == name), None)
+            raise ValueError(f"{parts.get(key, spec)!r}: {message}") from None
 
     def __str__(self) -> str:
         parts = []
@@ -145,7 +193,7 @@ class BlockSet:
         if self.exit_at is not None:
             parts.append(f"exit={self.exit_at}")
         if self.is_adaptive:
-            parts.append(f"adaptive={self.adaptive_threshold:g}")
+            parts.append(f"adaptive={float(self.adaptive_threshold)!r}")  # repr: the shortest exact form
             if self.adaptive_min_blocks != 1:
                 parts.append(f"min={self.adaptive_min_blocks}")
             if self.adaptive_check != "cosine":

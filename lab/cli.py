@@ -2,12 +2,20 @@
 
 Each subcommand lives in its own module with a ``main(argv)``; modules are imported only when their
 command runs, so ``blocklab --help`` is instant and the library does not load the server's stack.
+
+Errors the user can fix (``lab.errors.UserError``, a path that is missing, a directory or not
+readable, ``SystemExit("message")``) end as one line, ``blocklab COMMAND: message``, and exit status
+2, like argparse's own; every other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
+import warnings
+
+from lab.errors import UserError
 
 # name -> (module with main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -41,6 +49,38 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+class _DropMessages(logging.Filter):
+    """Drops a logger's records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, *prefixes: str):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+# logger -> what of it nobody running blocklab can act on
+_NOISE = {
+    # Lightning advertises its cloud logger on every Trainer
+    "lightning.pytorch.utilities.rank_zero": _DropMessages("💡 Tip: For seamless cloud logging"),
+    # every checkpoint of ours is written by our own Trainer settings: the default is the one we want
+    "lightning.pytorch.trainer.connectors.checkpoint_connector": _DropMessages("`weights_only` was not set"),
+}
+
+
+def _quiet_known_noise() -> None:
+    """Silence what our dependencies print that a user of blocklab cannot act on, one message of one
+    library each, so any other warning still shows. Idempotent: a logging filter or a warnings filter
+    added twice is kept once."""
+    for logger, drop in _NOISE.items():
+        logging.getLogger(logger).addFilter(drop)
+    # torch deprecates a class that Lightning's own code still tests against (not ours)
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -50,8 +90,23 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"blocklab: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return module.main([name, *rest]) or 0
+    _quiet_known_noise()
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+        return module.main([name, *rest]) or 0
+    except UserError as error:
+        message = str(error)
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as error:
+        # open() and Path.read_text() name the file; ours put it in the message
+        message = f"{error.filename}: {error.strerror}" if error.filename else str(error)
+    except SystemExit as error:
+        if not isinstance(error.code, str):  # argparse's exits, its message already printed
+            raise
+        # a command's own early exit with a message, e.g. serve/traffic.py's checks of its options
+        message = error.code.removeprefix(f"blocklab {name}: ")
+    # one line even when a message quotes a multi-line error from a library
+    print(f"blocklab {name}: " + " ".join(message.split()), file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lab.corpora import embedded_corpus
+from lab.errors import UserError
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Unusable data or data settings; the message names the problem in one line."""
 
 

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.blocks import BlockSet
+from lab.errors import UserError
 from lab.exit_probe import check_fits
 from lab.model import GPT, Block, KVCache, Linear
 from lab.quantize import WEIGHT_DTYPES, load
@@ -99,7 +100,7 @@ def require_exit_probe(model: GPT, block_set: BlockSet) -> None:
     if block_set.adaptive_check != "probe":
         return
     if model.exit_probe is None:
-        raise ValueError(
+        raise UserError(
             "blocks: check=probe needs the model's exit probe (lab.exit_probe), and this model has "
             "none; `blocklab builtin` fits the builtin model's, lab.exit_probe.fit_exit_probe any model's"
         )
@@ -287,15 +288,15 @@ def generate(
     """
     cfg = model.config
     if temperature < 0:
-        raise ValueError(f"temperature: must be >= 0, got {temperature}")
+        raise UserError(f"temperature: must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k: must be >= 1, got {top_k}")
+        raise UserError(f"top_k: must be >= 1, got {top_k}")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+        raise UserError(f"top_p: must be in (0, 1], got {top_p}")
     if not prompt:
-        raise ValueError("prompt: needs at least one token")
+        raise UserError("prompt: needs at least one token")
     if len(prompt) > cfg.block_size:
-        raise ValueError(f"prompt: {len(prompt)} tokens exceed the context length {cfg.block_size}")
+        raise UserError(f"prompt: {len(prompt)} tokens exceed the context length {cfg.block_size}")
     room = cfg.block_size - len(prompt)
     budget = min(max_new_tokens, room)
     if budget <= 0:
@@ -366,7 +367,7 @@ def score(model: GPT, tokens: list[int], block_set: BlockSet | None = None) -> S
     cfg = model.config
     block_set = (block_set or BlockSet()).validate(cfg.n_layer)
     if not 2 <= len(tokens) <= cfg.block_size + 1:
-        raise ValueError(f"tokens: need 2..{cfg.block_size + 1} tokens to score, got {len(tokens)}")
+        raise UserError(f"tokens: need 2..{cfg.block_size + 1} tokens to score, got {len(tokens)}")
     idx = torch.tensor([tokens], device=model.wte.weight.device)  # [1, T+1]
     blocks = block_set.blocks_to_run(cfg.n_layer)
     if block_set.is_adaptive:
@@ -476,9 +477,12 @@ def main(argv: list[str]) -> int:
     args = _parser(command).parse_args(rest)
     if args.threads:
         torch.set_num_threads(args.threads)
+    text = _read_text(args)  # before the model loads: a wrong path fails at once
     model = load(args.model, args.dtype)
-    block_set = BlockSet.parse(args.blocks, model.config.n_layer)
-    text = _read_text(args)
+    try:
+        block_set = BlockSet.parse(args.blocks, model.config.n_layer)
+    except ValueError as error:
+        raise UserError(f"--blocks: {error}") from None
     if command == "generate":
         result = _run_generate(model, block_set, args, text)
         if args.json:

@@ -13,7 +13,6 @@ training starts) and ``baselines`` (``{name: nats}``, logged as ``baseline/<name
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Literal
@@ -21,11 +20,13 @@ from typing import Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningCLI
 from torchmetrics import MeanMetric
 
 from lab.config import GPTConfig
 from lab.data import CharDataModule, DataError
+from lab.errors import UserError
 from lab.model import GPT
 
 TINY = GPTConfig()  # the dataclass's defaults: a tiny valid model
@@ -252,10 +253,10 @@ def main(argv: list[str]) -> int:
             args=argv,
             trainer_defaults=TRAINER_DEFAULTS,
             auto_configure_optimizers=False,
-            parser_kwargs={"prog": f"blocklab {argv[0]}"},
+            # a wrong option or a missing --config raises, and lab.cli prints it as one line
+            parser_kwargs={"prog": f"blocklab {argv[0]}", "exit_on_error": False},
             save_config_kwargs={"overwrite": True},
         )
-    except DataError as err:
-        print(f"blocklab {argv[0]}: error: {err}", file=sys.stderr)
-        return 2
+    except ArgumentError as error:
+        raise UserError(str(error)) from None
     return 0

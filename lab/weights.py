@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lab.config import GPTConfig
+from lab.errors import UserError
 from lab.exit_probe import FILE as EXIT_PROBE_FILE
 from lab.exit_probe import load_exit_probe, save_exit_probe
 from lab.model import GPT
@@ -83,7 +85,7 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
 def _load_ours(directory: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     description = json.loads((directory / FORMAT_FILE).read_text())
     if description.get("format") != "blocklab":
-        raise ValueError(f"{directory / FORMAT_FILE}: not a blocklab model description")
+        raise UserError(f"{directory / FORMAT_FILE}: not a blocklab model description")
     return GPTConfig(**description["config"]), load_file(str(directory / WEIGHTS_FILE))
 
 
@@ -97,13 +99,13 @@ _HF_IGNORED = re.compile(r"^(lm_head\.weight|h\.\d+\.attn\.(bias|masked_bias))$"
 
 def _hf_config(config: dict[str, Any]) -> GPTConfig:
     if config.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"config.json: model_type {config['model_type']!r} is not gpt2")
+        raise UserError(f"config.json: model_type {config['model_type']!r} is not gpt2")
     activation = config.get("activation_function", "gelu_new")
     if activation not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"config.json: activation_function {activation!r}; our MLP is GELU (tanh)")
+        raise UserError(f"config.json: activation_function {activation!r}; our MLP is GELU (tanh)")
     n_inner = config.get("n_inner")
     if n_inner not in (None, 4 * config["n_embd"]):
-        raise ValueError(f"config.json: n_inner {n_inner}; our MLP is 4 * n_embd = {4 * config['n_embd']}")
+        raise UserError(f"config.json: n_inner {n_inner}; our MLP is 4 * n_embd = {4 * config['n_embd']}")
     for flag, expected in (
         ("scale_attn_weights", True),
         ("scale_attn_by_inverse_layer_idx", False),
@@ -111,7 +113,7 @@ def _hf_config(config: dict[str, Any]) -> GPTConfig:
         ("tie_word_embeddings", True),
     ):
         if config.get(flag, expected) != expected:
-            raise ValueError(f"config.json: {flag}={config[flag]} is not supported (need {expected})")
+            raise UserError(f"config.json: {flag}={config[flag]} is not supported (need {expected})")
     return GPTConfig(
         n_layer=config["n_layer"],
         n_head=config["n_head"],
@@ -158,7 +160,6 @@ def _download_hf(repo_id: str) -> Path:
 
     safetensors = ["config.json", "*.safetensors", "model.safetensors.index.json"]
     pickled = ["config.json", "pytorch_model.bin"]  # old repos have only this
-    errors = []
     for local_only in (True, False):  # the cache first: no network round trip when it is there
         try:
             path = Path(snapshot_download(repo_id, allow_patterns=safetensors, local_files_only=local_only))
@@ -166,11 +167,11 @@ def _download_hf(repo_id: str) -> Path:
                 path = Path(snapshot_download(repo_id, allow_patterns=pickled, local_files_only=local_only))
             return path
         except Exception as error:  # huggingface_hub raises many types for "not cached" / "no network"
-            errors.append(f"{type(error).__name__}: {error}")
-    raise OSError(
+            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+    raise UserError(
         f"model {repo_id!r}: not a local path, not in the Hugging Face cache, and the hub could not be "
-        f"reached or has no such repo (no network here?). Pass a local directory or checkpoint, or use "
-        f"'builtin' / 'gpt2-random'. Cache lookup: {errors[0]}. Download: {errors[1]}"
+        f"reached or has no such repo ({reason}); pass a local directory or checkpoint, or use "
+        "'builtin' / 'gpt2-random'"
     )
 
 
@@ -211,7 +212,7 @@ def _load_lightning(checkpoint: dict[str, Any]) -> tuple[GPTConfig, dict[str, to
     hparams = checkpoint.get("hyper_parameters", {})
     config = hparams.get("config") or hparams.get("model_config")
     if config is None:
-        raise ValueError(
+        raise UserError(
             f"Lightning checkpoint: no model config in hyper_parameters (keys: {sorted(hparams)})"
         )
     cfg = config if isinstance(config, GPTConfig) else GPTConfig(**dict(config))
@@ -223,12 +224,17 @@ def _load_lightning(checkpoint: dict[str, Any]) -> tuple[GPTConfig, dict[str, to
 def _load_checkpoint_file(path: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     # weights_only=False: nanoGPT and Lightning checkpoints pickle plain config objects; only load
     # checkpoints you trust.
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as error:  # torch's for "not a checkpoint"
+        raise UserError(f"{path}: not a checkpoint torch can read ({error})") from None
+    if not isinstance(checkpoint, dict):
+        raise UserError(f"{path}: a {type(checkpoint).__name__}, not a checkpoint dictionary")
     if "model_args" in checkpoint and "model" in checkpoint:
         return _load_nanogpt(checkpoint)
     if "state_dict" in checkpoint and "pytorch-lightning_version" in checkpoint:
         return _load_lightning(checkpoint)
-    raise ValueError(
+    raise UserError(
         f"{path}: neither a nanoGPT checkpoint (model_args + model) nor a Lightning checkpoint "
         f"(state_dict); top-level keys: {sorted(checkpoint)[:10]}"
     )
@@ -256,7 +262,7 @@ def check_state(model: GPT, state: dict[str, torch.Tensor], source: str) -> None
     if wrong_shape:
         problems.append("wrong shapes: " + "; ".join(wrong_shape))
     if problems:
-        raise ValueError(f"{source}: weights do not fit the model: " + " | ".join(problems))
+        raise UserError(f"{source}: weights do not fit the model: " + " | ".join(problems))
 
 
 def build_model(
@@ -288,6 +294,30 @@ def random_model(
     return model.to(device=device, dtype=dtype).eval()
 
 
+def locate(spec: str) -> Path | None:
+    """The directory or checkpoint file that ``spec`` names (a hub repo is fetched into the cache
+    first); None for ``gpt2-random``. Raises ``UserError`` or ``FileNotFoundError`` saying what to do
+    when there is none, so a server can check its model before it starts workers."""
+    if spec == "gpt2-random":
+        return None
+    if spec == "builtin":
+        directory = builtin_dir()
+        if not (directory / FORMAT_FILE).exists():
+            raise FileNotFoundError(
+                f"the builtin model is not created yet ({directory} is empty): run `blocklab builtin` "
+                "once (about 10 minutes on 2 CPU cores), or set BLOCKLAB_CACHE to where it lives"
+            )
+        return directory
+    path = Path(spec).expanduser()
+    if path.is_file() or (path / FORMAT_FILE).exists() or (path / "config.json").exists():
+        return path
+    if path.exists():
+        raise UserError(f"{path}: a directory without blocklab.json or config.json")
+    if spec.count("/") <= 1 and not spec.startswith((".", "/", "~")):
+        return _download_hf(spec)
+    raise FileNotFoundError(f"{spec}: no such file or directory")
+
+
 def load_model(
     spec: str,
     *,
@@ -297,35 +327,18 @@ def load_model(
 ) -> GPT:
     """A GPT in eval mode from a spec (see the module docstring). ``attention``: 'eager' | 'sdpa' override."""
     overrides = {} if attention is None else {"attention": attention}
-    ours = None  # a directory in our format: it may hold an exit probe (lab.exit_probe) too
     if spec == "gpt2-random":
         return random_model("gpt2", dtype=dtype, device=device, **overrides)
-    if spec == "builtin":
-        directory = builtin_dir()
-        if not (directory / FORMAT_FILE).exists():
-            raise FileNotFoundError(
-                f"the builtin model is not created yet ({directory} is empty): run `blocklab builtin` "
-                "once (about 10 minutes on 2 CPU cores), or set BLOCKLAB_CACHE to where it lives"
-            )
-        cfg, state = _load_ours(directory)
-        ours = directory
+    path = locate(spec)
+    ours = (path / FORMAT_FILE).exists()  # our format: the directory may hold an exit probe too
+    if ours:
+        cfg, state = _load_ours(path)
+    elif path.is_dir():
+        cfg, state = _load_hf_dir(path)
     else:
-        path = Path(spec).expanduser()
-        if path.is_dir() and (path / FORMAT_FILE).exists():
-            cfg, state = _load_ours(path)
-            ours = path
-        elif path.is_dir() and (path / "config.json").exists():
-            cfg, state = _load_hf_dir(path)
-        elif path.is_file():
-            cfg, state = _load_checkpoint_file(path)
-        elif path.exists():
-            raise ValueError(f"{path}: a directory without blocklab.json or config.json")
-        elif spec.count("/") <= 1 and not spec.startswith((".", "/", "~")):
-            cfg, state = _load_hf_dir(_download_hf(spec))
-        else:
-            raise FileNotFoundError(f"{spec}: no such file or directory")
+        cfg, state = _load_checkpoint_file(path)
     cfg = dataclasses.replace(cfg, dropout=0.0, **overrides)
     model = build_model(cfg, state, spec, dtype=dtype, device=device)
-    if ours is not None and (probe := load_exit_probe(ours, model)) is not None:
+    if ours and (probe := load_exit_probe(path, model)) is not None:
         model.exit_probe = probe.to(device)
     return model

@@ -35,6 +35,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lab.quantize import WEIGHT_DTYPES
+from lab.weights import locate
 from serve import gateway, openai_compat
 from serve.api import BlockLabAPI, ModelFactory, SharedState, WeightsLoader
 from serve.litserve_seam import SeamServer
@@ -337,6 +338,8 @@ def main(argv: list[str], model_factory: ModelFactory | None = None) -> int:
     )
     if not _is_loopback(config.host) and config.api_key is None:
         logger.warning("binding %s without --api-key: anyone who can reach it can use it", config.host)
+    if model_factory is None:  # a missing model fails here in one line, not in every worker
+        locate(config.model)
     try:
         serve(config, model_factory)
     except KeyboardInterrupt:

@@ -42,7 +42,10 @@ import numpy as np
 from tqdm import tqdm
 
 from lab import tokens
+from lab.blocks import BlockSet
+from lab.errors import UserError
 from lab.quantize import WEIGHT_DTYPES
+from lab.weights import locate
 from serve.testing import ServerProcess
 
 
@@ -139,7 +142,7 @@ def read_prompts(path: Path | None, count: int, seed: int = 0) -> list[str]:
         records = [json.loads(line) for line in lines]
         lines = [record if isinstance(record, str) else record["prompt"] for record in records]
     if not lines:
-        raise ValueError(f"{path}: no prompts in it")
+        raise UserError(f"{path}: no prompts in it")
     return lines
 
 
@@ -158,9 +161,7 @@ def check_loopback(url: str, allow_remote: bool) -> None:
     except ValueError:
         loopback = False
     if not loopback:
-        raise SystemExit(
-            f"blocklab traffic: {host} is not a loopback address; pass --allow-remote if you mean it"
-        )
+        raise UserError(f"{host} is not a loopback address; pass --allow-remote if you mean it")
 
 
 async def _one(client: httpx.AsyncClient, body: dict) -> Sample:
@@ -574,11 +575,19 @@ async def _run(args: argparse.Namespace, slo: dict[str, float]) -> tuple[list[Su
     async with httpx.AsyncClient(
         base_url=args.url, headers=headers, timeout=timeout, limits=limits
     ) as client:
-        info = (await client.get("/info")).raise_for_status().json()["model"]
+        try:
+            info = (await client.get("/info")).raise_for_status().json()["model"]
+        except httpx.TransportError as error:
+            raise UserError(f"no server at {args.url} ({error}); start one or pass --serve MODEL") from None
         block_sets = args.block_sets or default_block_sets(info["depth"], info.get("exit_probe", False))
+        for spec in block_sets:  # the server would refuse each request; say so once, before sending
+            try:
+                BlockSet.parse(spec, info["depth"])
+            except ValueError as error:
+                raise UserError(f"--block-sets: {error}") from None
         room = info["context_length"] - args.max_new_tokens
         if room < 2:
-            raise SystemExit(f"--max-new-tokens {args.max_new_tokens} leaves no room in a context of {room}")
+            raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room in a context of {room}")
         count = args.requests if args.duration is None else max(args.requests, 64)
         prompts = [fit_prompt(p, room) for p in read_prompts(args.prompts, count, args.seed)]
         # one request first, unmeasured: the first pass of a fresh worker pays one-time costs
@@ -646,6 +655,7 @@ def main(argv: list[str]) -> int:
     if args.serve is None:
         summaries, meta = asyncio.run(_run(args, slo))
     else:
+        locate(args.serve)  # a missing model fails here in one line, before a server starts
         print(f"starting blocklab serve --model {args.serve} --dtype {args.serve_dtype} ...", file=sys.stderr)
         with ServerProcess(["--model", args.serve, "--dtype", args.serve_dtype]) as server:
             args.url = server.url

@@ -7,6 +7,7 @@ import torch
 
 from lab.analysis import bus
 from lab.config import GPTConfig
+from lab.errors import UserError
 from lab.model import GPT
 
 CFG = GPTConfig(n_layer=3, n_head=2, n_embd=16, vocab_size=50257, block_size=32)
@@ -74,7 +75,7 @@ def test_main_json_and_png(capsys, tmp_path):
 
 
 def test_text_needs_gpt2_vocabulary():
-    with pytest.raises(SystemExit, match="vocabulary"):
+    with pytest.raises(UserError, match="vocabulary"):
         bus.main(
             ["bus", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--vocab-size", "64", "--no-plot"]
         )

@@ -44,3 +44,23 @@ def test_peak_override(capsys):
     cost.main(["cost", "--json", "--gpu", "H200", "--peak", "500", "--gpus", "1", "--iters", "10"])
     h200 = next(a for a in json.loads(capsys.readouterr().out)["accelerators"] if a["name"] == "H200")
     assert h200["peak_tflops"] == 500
+
+
+def test_gpu_hours_beside_wall_hours(capsys):
+    """nanoGPT's GPT-2 run at peak is about 195 A100 GPU-hours: 24.3 wall hours on its 8 GPUs."""
+    assert cost.main(["cost", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    a100 = next(a for a in report["accelerators"] if a["name"] == "A100")
+    assert a100["gpu_hours_peak_6ND"] == pytest.approx(report["flops"]["C_6ND"] / (312e12 * 3600))
+    assert a100["gpu_hours_peak_6ND"] == pytest.approx(195, abs=1)
+    for key in ("peak_6ND", "peak_total", "mfu"):
+        assert a100[f"gpu_hours_{key}"] == pytest.approx(8 * a100[f"hours_{key}"])
+    assert cost.main(["cost"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "GPU-h at peak, 6ND" in line)
+    a100_row = next(line for line in lines if line.startswith("| A100"))
+    columns = [cell.strip() for cell in header.split("|")]
+    cells = [cell.strip() for cell in a100_row.split("|")]
+    assert cells[columns.index("GPU-h at peak, 6ND")] == "194.6"
+    assert cells[columns.index("GPUs")] == "8"
+    assert cells[columns.index("wall h at MFU 0.4")] == "70.11"

@@ -1,8 +1,12 @@
-"""Block-set specs: parsing, validation against the depth, and round trips."""
+"""Block-set specs: the grammar, validation against the depth, and round trips through str()."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lab.blocks import BlockSet
+
+N_LAYER = 12
 
 
 @pytest.mark.parametrize(
@@ -13,13 +17,15 @@ from lab.blocks import BlockSet
         ("keep=0,1,2", set(range(3, 12)), None),
         ("exit=6", set(), 6),
         ("skip=5;exit=9", {5}, 9),
+        (" skip = 5 , 6 ; exit = 9 ", {5, 6}, 9),  # spaces around parts, keys, values and indices
+        ("skip=05", {5}, None),
     ],
 )
 def test_parse(spec, skip, exit_at):
-    block_set = BlockSet.parse(spec, n_layer=12)
+    block_set = BlockSet.parse(spec, N_LAYER)
     assert block_set.skip == skip
     assert block_set.exit_at == exit_at
-    assert BlockSet.parse(str(block_set), n_layer=12) == block_set
+    assert BlockSet.parse(str(block_set), N_LAYER) == block_set
 
 
 def test_blocks_to_run():
@@ -28,30 +34,158 @@ def test_blocks_to_run():
 
 
 @pytest.mark.parametrize(
-    "spec, field",
+    "spec, message",
     [
-        ("skip=12", "skip"),
-        ("skip=-1", "skip"),
-        ("skip=3,3", "skip"),
-        ("keep=0,0", "keep"),
-        ("exit=13", "exit_at"),
-        ("exit=0", "exit_at"),
-        ("exit=x", "exit_at"),
-        ("overwrite=2;skip=2", "overwrite"),
-        ("adaptive=1.5", "adaptive_threshold"),
-        ("adaptive=0.9;exit=3", "exit_at"),
-        ("adaptive=0.9;min=20", "adaptive_min_blocks"),
-        ("skip=1;keep=2", "skip or keep"),
-        ("jump=3", "unknown key"),
-        ("skip", "key=value"),
+        # the grammar
+        ("", "'': empty spec"),
+        ("keep=", "'keep=': keep needs a value"),
+        ("skip=", "'skip=': skip needs a value"),
+        ("skip=1,,2", "'skip=1,,2': empty index in skip"),
+        ("skip=1,", "'skip=1,': empty index in skip"),
+        ("skip=1 2", "'skip=1 2': '1 2' is not a block index"),
+        ("overwrite=x", "'overwrite=x': 'x' is not a block index"),
+        ("exit=1_2", "'exit=1_2': exit takes a whole number in ASCII digits"),
+        ("exit=+6", "'exit=+6': exit takes a whole number"),
+        ("exit=\uff16", "'exit=\uff16': exit takes a whole number"),  # full-width 6
+        ("exit=\u0666", "'exit=\u0666': exit takes a whole number"),  # Arabic-Indic 6
+        ("skip=\u0663", "is not a block index"),
+        ("min=-1;adaptive=0.9", "'min=-1': min takes a whole number"),
+        ("adaptive=nan", "'adaptive=nan': adaptive takes a decimal number"),
+        ("adaptive=0.9_1", "'adaptive=0.9_1': adaptive takes a decimal number"),
+        ("adaptive=\uff10.5", "adaptive takes a decimal number"),
+        ("adaptive=0.9;check=Probe", "'check=Probe': check is 'cosine' or 'probe'"),
+        ("skip=1;skip=2", "'skip=2': skip given twice"),
+        ("exit=3;exit=3", "'exit=3': exit given twice"),
+        ("min=2", "'min=2': only with adaptive"),
+        ("min=1", "'min=1': only with adaptive"),
+        ("check=probe", "'check=probe': only with adaptive"),
+        ("check=cosine;exit=3", "'check=cosine': only with adaptive"),
+        ("skip=1;", "'skip=1;': empty part"),
+        (";skip=1", "empty part"),
+        ("all;skip=1", "'all' stands alone"),
+        ("skip", "'skip': expected key=value"),
+        ("jump=3", "'jump=3': unknown key 'jump'"),
+        ("skip=1;keep=2", "'keep=2': give skip or keep, not both"),
+        # the rules of the fields, against the depth
+        ("skip=12", "'skip=12': block indices [12] out of range 0..11"),
+        ("skip=3,3", "'skip=3,3': duplicated block index 3 in skip"),
+        ("keep=0,0", "'keep=0,0': duplicated block index 0 in keep"),
+        ("exit=13", "'exit=13': must be in 1..12"),
+        ("exit=0", "'exit=0': must be in 1..12"),
+        ("overwrite=2;skip=2", "'overwrite=2': blocks [2] are also skipped"),
+        ("adaptive=1.5", "'adaptive=1.5': must be in (0, 1]"),
+        ("adaptive=0", "'adaptive=0': must be in (0, 1]"),
+        ("adaptive=0.9;exit=3", "'exit=3': cannot be combined with adaptive exit"),
+        ("adaptive=0.9;min=20", "'min=20': must be in 1..12"),
     ],
 )
-def test_invalid_specs_name_the_field(spec, field):
-    with pytest.raises(ValueError, match=field):
-        BlockSet.parse(spec, n_layer=12)
+def test_malformed_specs_name_the_part(spec, message):
+    with pytest.raises(ValueError) as error:
+        BlockSet.parse(spec, N_LAYER)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_the_fields_follow_the_same_rules():
+    with pytest.raises(ValueError, match="keep: needs at least one block"):
+        BlockSet.keep([], N_LAYER)
+    with pytest.raises(ValueError, match="adaptive_min_blocks: needs adaptive"):
+        BlockSet(adaptive_min_blocks=3).validate(N_LAYER)
+    with pytest.raises(ValueError, match="adaptive_check: needs adaptive"):
+        BlockSet(adaptive_check="probe").validate(N_LAYER)
 
 
 def test_adaptive_round_trip():
-    block_set = BlockSet.parse("adaptive=0.9;min=4", 12)
+    block_set = BlockSet.parse("adaptive=0.9;min=4;check=probe", 12)
     assert block_set.is_adaptive and block_set.adaptive_min_blocks == 4
-    assert str(block_set) == "adaptive=0.9;min=4"
+    assert block_set.adaptive_check == "probe"
+    assert str(block_set) == "adaptive=0.9;min=4;check=probe"
+    # defaults are left out of the canonical form
+    assert str(BlockSet.parse("adaptive=.5;min=1;check=cosine", 12)) == "adaptive=0.5"
+
+
+INDICES = st.sets(st.integers(0, N_LAYER - 1), max_size=N_LAYER)
+
+
+@st.composite
+def valid_block_sets(draw) -> BlockSet:
+    """A BlockSet from valid field values (any n_layer-block model accepts it)."""
+    skip = draw(INDICES)
+    overwrite = draw(INDICES) - skip
+    if draw(st.booleans()):
+        threshold = draw(st.floats(0.0, 1.0, exclude_min=True))
+        return BlockSet(
+            skip=skip,
+            overwrite=overwrite,
+            adaptive_threshold=threshold,
+            adaptive_min_blocks=draw(st.integers(1, N_LAYER)),
+            adaptive_check=draw(st.sampled_from(["cosine", "probe"])),
+        )
+    return BlockSet(skip=skip, overwrite=overwrite, exit_at=draw(st.none() | st.integers(1, N_LAYER)))
+
+
+@given(block_set=valid_block_sets())
+@settings(max_examples=300, deadline=None)
+def test_every_valid_block_set_round_trips_through_str(block_set):
+    block_set.validate(N_LAYER)
+    assert BlockSet.parse(str(block_set), N_LAYER) == block_set
+
+
+SPACES = st.sampled_from(["", "", " ", "  "])
+
+
+@st.composite
+def spec_strings(draw) -> str:
+    """Spec strings near the grammar: each part usually well formed, sometimes not, with spaces."""
+    good = st.integers(0, N_LAYER - 1).map(str)
+    index = good | good | good | st.sampled_from(["", "03", "+1", "1_0", "\uff13", "x", str(N_LAYER)])
+    number = st.floats(0.0, 1.0).map(repr) | st.sampled_from([".5", "1e-3", "1.", "1.5", "nan", "inf", ""])
+    values = {
+        "skip": st.lists(index, max_size=3).map(",".join),
+        "keep": st.lists(index, max_size=3).map(",".join),
+        "overwrite": st.lists(index, max_size=3).map(",".join),
+        "exit": index,
+        "adaptive": number,
+        "min": index,
+        "check": st.sampled_from(["cosine", "probe", "", "cos"]),
+    }
+    keys = draw(st.lists(st.sampled_from(sorted(values)), min_size=1, max_size=3, unique=draw(st.booleans())))
+    pad = lambda text: draw(SPACES) + text + draw(SPACES)  # noqa: E731
+    return ";".join(pad(pad(key) + "=" + pad(draw(values[key]))) for key in keys)
+
+
+@given(spec=spec_strings())
+@settings(max_examples=500, deadline=None)
+def test_every_accepted_spec_round_trips(spec):
+    try:
+        block_set = BlockSet.parse(spec, N_LAYER)
+    except ValueError:
+        return  # refused: the table above checks what the message says
+    assert BlockSet.parse(str(block_set), N_LAYER) == block_set
+    assert " " not in str(block_set)
+
+
+@given(spec=st.text(max_size=40))
+@settings(max_examples=300, deadline=None)
+def test_any_text_parses_or_raises_value_error(spec):
+    try:
+        BlockSet.parse(spec, N_LAYER)
+    except ValueError as error:
+        assert "\n" not in str(error)  # the part is quoted with repr: one line, whatever was typed
+
+
+@pytest.mark.parametrize("spec", ["skip=1,,2", "exit=+6", "exit=\u0666", "skip=1;skip=2", "min=2", "keep="])
+def test_the_server_refuses_the_same_specs_naming_the_part(spec):
+    from serve.schema import PredictRequest, RequestError, resolve_block_set
+
+    with pytest.raises(RequestError) as error:
+        resolve_block_set(PredictRequest(prompt="a", blocks=spec), N_LAYER)
+    assert error.value.field == "blocks"
+    assert error.value.message.startswith(f"{spec.split(';')[-1]!r}: ")
+
+
+def test_the_server_refuses_an_empty_keep_list():
+    from serve.schema import PredictRequest, RequestError, resolve_block_set
+
+    with pytest.raises(RequestError, match="keep: needs at least one block"):
+        resolve_block_set(PredictRequest(prompt="a", keep=[]), N_LAYER)

@@ -114,7 +114,7 @@ def test_check_probe_without_a_probe_is_refused(model):
 
 @pytest.mark.parametrize(
     ("spec", "message"),
-    [("check=probe", "adaptive_check: needs adaptive"), ("adaptive=0.9;check=maybe", "'cosine' or 'probe'")],
+    [("check=probe", "only with adaptive"), ("adaptive=0.9;check=maybe", "'cosine' or 'probe'")],
 )
 def test_block_set_check_is_validated(spec, message):
     with pytest.raises(ValueError, match=message):

@@ -9,6 +9,7 @@ import pytest
 from tqdm import tqdm
 
 from lab import tokens
+from lab.errors import UserError
 from serve import traffic
 from serve.testing import ServerProcess, TinyModel
 from serve.traffic import Sample, Summary
@@ -33,10 +34,10 @@ def test_only_loopback_unless_allowed():
     traffic.check_loopback("http://localhost:8000", allow_remote=False)
     traffic.check_loopback("http://[::1]:8000", allow_remote=False)
     for url in ("http://10.0.0.5:8000", "http://example.com"):
-        with pytest.raises(SystemExit, match="not a loopback"):
+        with pytest.raises(UserError, match="not a loopback"):
             traffic.check_loopback(url, allow_remote=False)
     traffic.check_loopback("http://10.0.0.5:8000", allow_remote=True)
-    with pytest.raises(SystemExit, match="not a loopback"):
+    with pytest.raises(UserError, match="not a loopback"):
         traffic.main(["traffic", "--url", "http://192.0.2.1:8000"])
 
 

@@ -8,6 +8,7 @@ import torch
 
 from lab import weights
 from lab.config import GPTConfig
+from lab.errors import UserError
 from lab.model import GPT, KVCache
 from lab.weights import load_model, save_model
 
@@ -180,8 +181,10 @@ def test_unreachable_hub_id_says_so(monkeypatch):
         raise huggingface_hub.errors.LocalEntryNotFoundError("no connection")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(OSError, match="not in the Hugging Face cache, and the hub could not be reached"):
+    unreachable = "not in the Hugging Face cache, and the hub could not be reached"
+    with pytest.raises(UserError, match=unreachable) as error:
         load_model("openai-community/gpt2-nonexistent")
+    assert "\n" not in str(error.value) and "no connection" in str(error.value)
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_model("./no/such/dir")
 

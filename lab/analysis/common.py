@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from lab.config import PRESETS, GPTConfig
+from lab.errors import UserError
 from lab.model import GPT
 
 RUNS_DIR = Path("runs") / "analysis"
@@ -119,7 +120,7 @@ def load_model_from_args(args: argparse.Namespace) -> tuple[GPT, str]:
     """The model the arguments name and a description of it for the report."""
     if args.config is not None or config_overrides(args):
         if args.model is not None:
-            raise SystemExit("give --model or --config (with overrides), not both")
+            raise UserError("give --model or --config (with overrides), not both")
         args.config = args.config or "gpt2"
         cfg = config_from_args(args)
         with torch.random.fork_rng(devices=[]):
@@ -173,7 +174,7 @@ def text_tokens(args: argparse.Namespace, model: GPT) -> tuple[list[int], str]:
     from lab import tokens
 
     if model.config.vocab_size < tokens.VOCAB_SIZE:
-        raise SystemExit(
+        raise UserError(
             f"text needs a model with GPT-2's vocabulary ({tokens.VOCAB_SIZE}); "
             f"this one has vocab_size={model.config.vocab_size}"
         )
@@ -187,7 +188,7 @@ def text_tokens(args: argparse.Namespace, model: GPT) -> tuple[list[int], str]:
         text, source = args.text.read_text(encoding="utf-8"), str(args.text)
     ids = tokens.encode(text[:chars], allow_endoftext=True)[:n]
     if len(ids) < 2:
-        raise SystemExit(f"{source}: need at least 2 tokens, got {len(ids)}")
+        raise UserError(f"{source}: need at least 2 tokens, got {len(ids)}")
     return ids, f"{source}, first {len(ids)} tokens"
 
 

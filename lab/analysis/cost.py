@@ -1,4 +1,5 @@
-"""blocklab cost: training compute as 6·N·D, with and without attention's term, in FLOPs, hours and MFU.
+"""blocklab cost: training compute as 6·N·D, with and without attention's term, in FLOPs, GPU-hours,
+wall hours on N GPUs, and MFU.
 
     blocklab cost                                   # nanoGPT's GPT-2 124M run (config/train_gpt2.py)
     blocklab cost --config gpt2-xl --iters 100000 --mfu 0.5
@@ -22,6 +23,7 @@ from __future__ import annotations
 from lab.analysis import common
 from lab.analysis.designs import DESIGNS, Design
 from lab.config import PRESETS
+from lab.errors import UserError
 
 PEAK_TFLOPS: dict[str, float] = {
     "A100": 312.0,
@@ -66,15 +68,16 @@ def render(report: dict) -> str:
         ["total", f["per_token_6N"] + f["per_token_attention"], float(f["C_total"])],
     ]
     mfu = f"{report['mfu']:g}"
-    columns = ["accelerator", "TFLOP/s", "GPUs", "h at peak, 6ND", "h at peak, total", f"h at MFU {mfu}",
-               f"days at MFU {mfu}"]  # fmt: skip
+    columns = ["accelerator", "TFLOP/s", "GPU-h at peak, 6ND", "GPU-h at peak, total", f"GPU-h at MFU {mfu}",
+               "GPUs", f"wall h at MFU {mfu}", f"wall days at MFU {mfu}"]  # fmt: skip
     lines = [
         [
             a["name"],
             a["peak_tflops"],
+            a["gpu_hours_peak_6ND"],
+            a["gpu_hours_peak_total"],
+            a["gpu_hours_mfu"],
             a["gpus"],
-            a["hours_peak_6ND"],
-            a["hours_peak_total"],
             a["hours_mfu"],
             a["hours_mfu"] / 24,
         ]  # fmt: skip
@@ -136,7 +139,7 @@ def main(argv: list[str]) -> int:
         design = Design.from_config(common.config_from_args(args), common.config_name(args))
     else:
         if common.config_overrides(args):
-            raise SystemExit(f"{args.config}: GPTConfig overrides apply to the GPT-2 presets only")
+            raise UserError(f"{args.config}: GPTConfig overrides apply to the GPT-2 presets only")
         design = DESIGNS[args.config]
     tokens_per_iter = args.tokens_per_iter or args.batch_size * args.seq_len * args.grad_accum
     tokens = tokens_per_iter * args.iters
@@ -149,6 +152,10 @@ def main(argv: list[str]) -> int:
             "name": name,
             "peak_tflops": peak,
             "gpus": args.gpus,
+            # GPU-hours (what a run costs, whatever the GPU count) and wall hours on --gpus of them
+            "gpu_hours_peak_6ND": hours(flops["C_6ND"], peak, 1),
+            "gpu_hours_peak_total": hours(flops["C_total"], peak, 1),
+            "gpu_hours_mfu": hours(flops["C_total"], peak, 1, args.mfu),
             "hours_peak_6ND": hours(flops["C_6ND"], peak, args.gpus),
             "hours_peak_total": hours(flops["C_total"], peak, args.gpus),
             "hours_mfu": hours(flops["C_total"], peak, args.gpus, args.mfu),

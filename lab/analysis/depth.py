@@ -23,6 +23,7 @@ import torch
 
 from lab.analysis import common
 from lab.config import GPT2_VOCAB_SIZE, GPTConfig
+from lab.errors import UserError
 from lab.generate import generate
 from lab.model import GPT
 
@@ -43,7 +44,7 @@ def parse_stack(text: str) -> tuple[int, int]:
     try:
         n_layer, width = (int(part) for part in text.lower().split("x"))
     except ValueError:
-        raise SystemExit(f"stack {text!r}: expected LAYERSxWIDTH, e.g. 12x768") from None
+        raise UserError(f"stack {text!r}: expected LAYERSxWIDTH, e.g. 12x768") from None
     return n_layer, width
 
 
@@ -188,9 +189,9 @@ def main(argv: list[str]) -> int:
     common.add_output_args(p, plot="depth.png")
     args = p.parse_args(argv[1:])
     if args.baseline not in args.stacks:
-        raise SystemExit(f"--baseline {args.baseline} is not among --stacks {args.stacks}")
+        raise UserError(f"--baseline {args.baseline} is not among --stacks {args.stacks}")
     if args.new < 2:
-        raise SystemExit("--new: need at least 2 tokens (the first comes from the prefill)")
+        raise UserError("--new: need at least 2 tokens (the first comes from the prefill)")
 
     torch.set_num_threads(args.threads)
     report = depth_report(

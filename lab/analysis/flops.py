@@ -30,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lab.analysis import common
 from lab.analysis.designs import DESIGNS, Design
 from lab.config import PRESETS, GPTConfig
+from lab.errors import UserError
 from lab.model import GPT
 
 
@@ -206,7 +207,7 @@ def main(argv: list[str]) -> int:
         design = Design.from_config(cfg, common.config_name(args))
     else:
         if common.config_overrides(args):
-            raise SystemExit(f"{args.config}: GPTConfig overrides apply to the GPT-2 presets only")
+            raise UserError(f"{args.config}: GPTConfig overrides apply to the GPT-2 presets only")
         design = DESIGNS[args.config]  # formula only: lab.model.GPT cannot build it
     report = analyse(design, args.T, None if args.no_count else cfg, args.device)
     report["png"] = plot(design, report, args) if not args.no_plot else None

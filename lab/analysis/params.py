@@ -17,6 +17,7 @@ import torch
 from lab.analysis import common
 from lab.analysis.designs import DESIGNS, Design
 from lab.config import PRESETS
+from lab.errors import UserError
 from lab.model import GPT
 
 
@@ -179,7 +180,7 @@ def main(argv: list[str]) -> int:
         report = describe(Design.from_config(cfg, common.config_name(args), source), model)
     else:
         if overrides:
-            raise SystemExit(f"{args.config}: GPTConfig overrides apply to the GPT-2 presets only")
+            raise UserError(f"{args.config}: GPTConfig overrides apply to the GPT-2 presets only")
         report = describe(DESIGNS[args.config])
     common.emit(args, report, render(report))
     return 0

@@ -1,0 +1,201 @@
+"""Every ``blocklab`` command given what cannot be used (a missing model, file or config, an
+unreachable hub, an empty file, a malformed block set) ends in one line on stderr and exit status 2,
+without a traceback; and the noise of our dependencies that nobody can act on stays out of the output.
+
+In process through ``lab.cli.main`` (an exception the seam does not handle fails the test, as a
+traceback would), plus one real process for the offline hub."""
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from lab import cli, weights
+from lab.config import GPTConfig
+from lab.model import GPT
+from serve import traffic
+
+MISSING = "/no/such/blocklab/path"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A two-block model with GPT-2's vocabulary, saved in our format."""
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=32)
+    directory = tmp_path_factory.mktemp("tiny")
+    weights.save_model(GPT(cfg).eval(), directory)
+    return str(directory)
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    """An empty file, a directory that is no model, a non-checkpoint file; no builtin model; cwd tmp."""
+    monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "not_a_model").mkdir()
+    (tmp_path / "notes.pt").write_text("not a checkpoint\n")
+    return tmp_path
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    """Run ``blocklab argv``; assert status 2 and exactly one line on stderr; return that line."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"blocklab {argv[0]}: ")
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", ["params", "flops", "bus", "ablate", "cost"])
+def test_measurements_with_a_missing_model(capsys, files, command):
+    line = one_line_error(capsys, [command, "--model", MISSING])
+    assert f"{MISSING}: no such file or directory" in line
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("builtin", "run `blocklab builtin`"),
+        ("not_a_model", "a directory without blocklab.json or config.json"),
+        ("notes.pt", "not a checkpoint torch can read"),
+        ("empty.txt", "not a checkpoint torch can read"),
+    ],
+)
+def test_a_model_that_is_not_there_or_not_a_model(capsys, files, model, message):
+    assert message in one_line_error(capsys, ["params", "--model", model])
+
+
+def test_text_that_is_missing_a_directory_or_empty(capsys, files):
+    tiny = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--no-plot"]
+    assert f"{MISSING}: No such file or directory" in one_line_error(
+        capsys, ["bus", *tiny, "--text", MISSING]
+    )
+    assert f"{files}: Is a directory" in one_line_error(capsys, ["ablate", *tiny, "--text", str(files)])
+    assert "need at least 2 tokens, got 0" in one_line_error(capsys, ["bus", *tiny, "--text", "empty.txt"])
+
+
+def test_config_given_with_a_model(capsys, files):
+    line = one_line_error(capsys, ["bus", "--model", "gpt2-random", "--n-layer", "1"])
+    assert "give --model or --config" in line
+
+
+@pytest.mark.parametrize("command", ["generate", "score"])
+def test_generate_and_score(capsys, files, tiny_model, command):
+    line = one_line_error(capsys, [command, "--model", MISSING, "--prompt", "def"])
+    assert "no such file or directory" in line
+    line = one_line_error(capsys, [command, "--model", tiny_model, "--file", MISSING])
+    assert f"{MISSING}: No such file or directory" in line
+    line = one_line_error(capsys, [command, "--model", tiny_model, "--file", "empty.txt"])
+    assert "prompt: needs at least one token" in line or "need 2..33 tokens to score, got 0" in line
+    line = one_line_error(
+        capsys, [command, "--model", tiny_model, "--prompt", "def f", "--blocks", "skip=1,,2"]
+    )
+    assert line.endswith("--blocks: 'skip=1,,2': empty index in skip")
+    line = one_line_error(
+        capsys, [command, "--model", tiny_model, "--prompt", "def f", "--blocks", "exit=+1"]
+    )
+    assert "'exit=+1': exit takes a whole number" in line
+
+
+def test_serve_with_a_missing_model_never_starts(capsys, files):
+    assert f"{MISSING}: no such file or directory" in one_line_error(capsys, ["serve", "--model", MISSING])
+
+
+def test_traffic(capsys, files):
+    line = one_line_error(capsys, ["traffic", "--serve", MISSING])
+    assert f"{MISSING}: no such file or directory" in line
+    url = f"http://127.0.0.1:{free_port()}"
+    assert f"no server at {url}" in one_line_error(capsys, ["traffic", "--url", url])
+    line = one_line_error(capsys, ["traffic", "--url", "http://192.0.2.1:8000"])
+    assert "not a loopback address" in line
+    line = one_line_error(capsys, ["traffic", "--concurrency", "0"])
+    assert line == "blocklab traffic: --concurrency and --requests must be >= 1"
+    with pytest.raises(ValueError, match="empty.txt: no prompts in it"):
+        traffic.read_prompts(files / "empty.txt", 4)
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_training_with_a_missing_config(capsys, files, command):
+    line = one_line_error(capsys, [command, "--config", f"{MISSING}.yaml"])
+    assert f"{MISSING}.yaml" in line and "does not exist" in line
+
+
+def blocklab_process(*argv: str, **env: str) -> list[str]:
+    """Run ``blocklab argv`` as a user does, in a process of its own; assert status 2 and no traceback;
+    return the lines of stderr."""
+    done = subprocess.run(
+        [sys.executable, "-m", "lab.cli", *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    return done.stderr.splitlines()
+
+
+@pytest.mark.slow  # a process importing Lightning and starting a LightningCLI
+def test_training_on_a_missing_text(tmp_path):
+    """Lightning logs its seed before the data module reads the text: the error is the last line."""
+    configs = Path(__file__).parents[1] / "configs"
+    lines = blocklab_process(
+        "fit", "--config", str(configs / "preln.yaml"), "--config", str(configs / "tiny.yaml"),
+        "--data.paths", f"[{MISSING}]", "--trainer.default_root_dir", str(tmp_path),
+    )  # fmt: skip
+    assert lines[-1] == f"blocklab fit: cannot read {MISSING}: No such file or directory"
+    assert [line for line in lines if line.startswith("blocklab")] == lines[-1:]
+
+
+def test_an_offline_hub_id_fails_fast_in_one_line(tmp_path):
+    start = time.monotonic()
+    lines = blocklab_process(
+        "params", "--model", "blocklab-tests/no-such-model", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path)
+    )
+    assert len(lines) == 1 and lines[0].startswith("blocklab params: model 'blocklab-tests/no-such-model'")
+    assert "not in the Hugging Face cache" in lines[0]
+    assert time.monotonic() - start < 60  # no network retries: the imports' time only
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    """Only the errors a user can fix are turned into one line; anything else propagates."""
+
+    def broken(argv):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr("lab.analysis.params.main", broken)
+    with pytest.raises(KeyError, match="a bug"):
+        cli.main(["params"])
+
+
+def test_known_noise_is_dropped_and_nothing_else(caplog):
+    cli._quiet_known_noise()
+    cli._quiet_known_noise()  # twice, as in-process callers do: each filter is kept once
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    checkpoints = logging.getLogger("lightning.pytorch.trainer.connectors.checkpoint_connector")
+    assert rank_zero.filters.count(cli._NOISE[rank_zero.name]) == 1
+    with caplog.at_level(logging.INFO):
+        rank_zero.info("💡 Tip: For seamless cloud logging, try installing [litlogger]")
+        checkpoints.info("`weights_only` was not set, defaulting to `False`.")
+        rank_zero.info("GPU available: False, used: False")
+    assert [record.getMessage() for record in caplog.records] == ["GPU available: False, used: False"]
+    with warnings.catch_warnings(record=True) as caught:
+        cli._quiet_known_noise()
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning, stacklevel=1)
+        warnings.warn("something else is deprecated", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["something else is deprecated"]
