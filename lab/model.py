@@ -37,7 +37,8 @@ def rows_alone() -> Iterator[None]:
     A matrix product of many rows reduces in another order than the matrix-vector product of one
     (the BLAS picks its kernel by the row count), so a batched row differs from the same row alone in
     the last bits, and sampling can then draw another token. Under this context ``Linear`` and the
-    unembedding multiply row by row with the one-row kernel (a batched matrix-vector product).
+    unembedding multiply row by row with the one-row kernel (a batched matrix-vector product). The
+    weight-only int8/int4 kernels (``lab.quantize``) compute rows alone anyway: they need nothing.
     """
     token = ROWS_ALONE.set(True)
     try:

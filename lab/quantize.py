@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lab.model import GPT, ROWS_ALONE, Linear
+from lab.model import GPT, Linear
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
 """What ``load`` accepts: plain weights in torch's dtypes, or weight-only quantization."""
@@ -104,23 +104,20 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         *lead, d_in = x.shape
-        x2d = x.reshape(-1, d_in).to(torch.bfloat16).contiguous()  # [N, Din]: the kernels need it dense
-        if ROWS_ALONE.get() and x2d.size(0) > 1:  # batch invariance (lab.model.rows_alone)
-            y = torch.cat([self._product(row) for row in x2d.split(1)])  # [N, Dout]
+        # [N, Din]: the kernels need it dense. They compute each row alone, the same arithmetic
+        # whatever N is, so they are batch-invariant as they are (lab.model.rows_alone needs nothing
+        # here; tests/test_serve_engine.py checks it bit for bit).
+        x2d = x.reshape(-1, d_in).to(torch.bfloat16).contiguous()
+        if self.bits == 8:
+            y = torch.ops.aten._weight_int8pack_mm(x2d, self.weight_int8, self.scales)  # [N, Dout]
         else:
-            y = self._product(x2d)  # [N, Dout]
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2d, self.weight_int4, self.group_size, self.scales_and_zeros
+            )  # [N, Dout + pad]
+            y = y[:, : self.out_features]  # [N, Dout]
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)
-
-    def _product(self, x2d: torch.Tensor) -> torch.Tensor:
-        """x2d [N, Din] in bf16 times the packed weight: [N, Dout], through torch's fused kernel."""
-        if self.bits == 8:
-            return torch.ops.aten._weight_int8pack_mm(x2d, self.weight_int8, self.scales)  # [N, Dout]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2d, self.weight_int4, self.group_size, self.scales_and_zeros
-        )  # [N, Dout + pad]
-        return y[:, : self.out_features]  # [N, Dout]
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int{self.bits}"
