@@ -7,7 +7,8 @@ Runs, one after another, each benchmark with settings shortened to fit a few min
 
 - decode: ``scripts/bench_decode.py`` (ours in fp32/bf16/int8/int4 vs transformers vs the bandwidth bound,
   blocks skipped);
-- serve: ``scripts/bench_serve.py`` (HTTP overhead, batching throughput, latency with skips);
+- serve: ``scripts/bench_serve.py`` (HTTP overhead, batching throughput, latency with skips, the
+  scheduler on GPT-2 small shapes in int4 and on the builtin model, batch-invariant and not);
 - train: ``scripts/bench_train.py`` (LitGPT under Lightning vs a plain torch loop);
 - depth: ``blocklab depth`` (equal-parameter stacks, ratios to 12x768).
 
@@ -79,6 +80,29 @@ def headline(runs: dict) -> list[tuple[str, str, str]]:
         ),
         ("train: Lightning / plain torch step time", f"{train['ratio']:.3f}", "<= 1.05"),
     ]
+    for r in serve["scheduling"]:
+        name = f"scheduler, {r['model']} {r['dtype']}, {'invariant' if r['batch_invariant'] else 'shared'}"
+        rows += [
+            (
+                f"{name}: 1-token request during a 200-token generation, ms",
+                f"{r['one_token_during_200_token_generation_ms']:.0f} (alone {r['one_token_alone_ms']:.0f})",
+                f"<= {r['head_of_line_bound_ms']:.0f}",
+            ),
+            (
+                f"{name}: TTFT p50 of 4 streaming clients, ms",
+                f"{r['ttft_4_clients_p50_ms']:.0f} (alone {r['ttft_alone_ms']:.0f})",
+                f"<= {r['ttft_bound_ms']:.0f}",
+            ),
+            (f"{name}: 4 block sets at once / one after another", f"{r['four_block_sets_speedup']:.2f}", ">= 1.6"),
+            (f"{name}: 8 adaptive clients / 1", f"{r['eight_adaptive_speedup']:.2f}", ">= 2"),
+            (f"{name}: TPOT of skip half / all, 4 clients", f"{r['tpot_skip_half_over_all']:.2f}", "<= 0.7"),
+            (
+                f"{name}: alone vs among 8 mixed, max loss difference; seeded tokens",
+                f"{r['batched_loss_max_abs_diff']:.1e}; {'same' if r['batched_tokens_equal'] else 'DIFFERENT'}",
+                "<= 1e-6 fp32, 1e-4 int4; same",
+            ),
+            (f"{name}: 8 clients / 1, requests per second", f"{r['throughput_8_clients_over_1']:.2f}", ">= 2.1"),
+        ]
     for row in depth["rows"]:
         rows.append((f"depth: {row['stack']} / {depth['baseline']} ms per token", f"{row['ratio']:.2f}", ""))
     return rows
