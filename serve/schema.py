@@ -234,6 +234,25 @@ class PromptScore(_Response):
 FinishReason = Literal["length", "stop", "scored"]
 
 
+class Speculation(_Response):
+    """What self-speculative decoding did for a request (``speculate=E`` block sets)."""
+
+    rounds: int = Field(description="Verification passes over the drafted tokens.")
+    drafted: int = Field(description="Tokens drafted by the first blocks.")
+    accepted: int = Field(description="Drafted tokens the full set agreed with.")
+    acceptance_rate: float | None
+
+    @classmethod
+    def of(cls, stats) -> Speculation:
+        """From ``lab.generate.SpeculationStats``."""
+        return cls(
+            rounds=stats.rounds,
+            drafted=stats.drafted,
+            accepted=stats.accepted,
+            acceptance_rate=stats.acceptance_rate,
+        )
+
+
 class PredictResponse(_Response):
     id: str | None
     text: str
@@ -249,7 +268,8 @@ class PredictResponse(_Response):
     mean_blocks_per_token: float
     score: PromptScore | None
     timings: Timings
-    batch_size: int = Field(description="Requests that shared this one's forward passes.")
+    batch_size: int = Field(description="The most requests that shared one of its decode steps.")
+    speculation: Speculation | None = Field(None, description="Drafts and acceptance, when speculating.")
 
 
 class TokenEvent(_Response):
