@@ -378,12 +378,16 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         block_set: BlockSet | None = None,
         padding: torch.Tensor | None = None,
+        layer_keep: torch.Tensor | None = None,
+        taps: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The stream [B, T, D] leaving the set's blocks for tokens idx [B, T]: forward without the read-out.
 
         Callers that need only some positions' logits (the last one, when decoding) unembed just those.
         ``padding`` [B]: rows of different lengths, left-padded (see ``padding_mask``); pass the same
-        padding with every later call on the same cache.
+        padding with every later call on the same cache. Training (LayerSkip's recipe, ``lab.train``):
+        ``layer_keep`` [L, B] says per block which rows run it (the others' streams pass through:
+        layer dropout), and ``taps`` receives the stream after each block run, by block index.
         """
         block_set = block_set or BlockSet()
         if block_set.is_adaptive:
@@ -395,7 +399,10 @@ class GPT(nn.Module):
         mask = None if padding is None else padding_mask(padding, pos, idx.size(1))  # [B, 1, T, S]
         for i in block_set.blocks_to_run(len(self.blocks)):
             layer_cache = cache.layer(i) if cache is not None else None
-            x = self.blocks[i](x, layer_cache, pos, overwrite=i in block_set.overwrite, mask=mask)
+            out = self.blocks[i](x, layer_cache, pos, overwrite=i in block_set.overwrite, mask=mask)
+            x = out if layer_keep is None else torch.where(layer_keep[i][:, None, None], out, x)  # [B, T, D]
+            if taps is not None:
+                taps[i] = x
         if cache is not None:
             cache.length = pos + idx.size(1)
         return x  # [B, T, D]
