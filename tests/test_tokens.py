@@ -67,6 +67,7 @@ def test_equals_tiktoken_gpt2_when_downloadable():
 
 def test_hugging_face_tokenizer_from_the_packaged_ranks_matches(tmp_path):
     import transformers  # a dev dependency: the tools that read this directory load it with it
+
     directory = tokens.write_hf_tokenizer(tmp_path / "gpt2")
     hf = transformers.GPT2TokenizerFast.from_pretrained(directory)
     texts = [
