@@ -292,7 +292,9 @@ class _Route:
     async def respond(self, translation: _Translation, client: Request, echo: bool = False, logprobs=None):
         """Answer the translated body: its choices whole, or streamed one after another."""
         body = translation.body
-        requests = [translation.request(prompt) for prompt in translation.prompts]
+        # Scoring alone (lm-eval's loglikelihood): the first pass's score is all the logprobs need.
+        score_only = logprobs is not None and translation.max_tokens == 0
+        requests = [translation.request(prompt, score=score_only or None) for prompt in translation.prompts]
         submissions: list[Submission] = []
         try:
             for request in requests:  # all admitted before any is awaited, so they can share batches
@@ -310,81 +312,94 @@ class _Route:
                 )
                 submissions = []  # the stream closes them
                 return StreamingResponse(stream, media_type="text/event-stream")
-            whole = self._envelope(body, self.kind, request_id)
-            whole["choices"], usage, infos = [], [0, 0], []
-            for index, (prompt, submission) in enumerate(zip(translation.prompts, submissions, strict=True)):
+            responses = []
+            for submission in submissions:
                 event = await submission.final_event(client)
                 if event["event"] == "error":
                     return self.gateway.error_response(event, client.url.path)
-                response = event["response"]
-                text = response["text"]
-                details = None
-                if logprobs is not None:
-                    details = await self._logprobs(translation, prompt, response, echo, logprobs, client)
-                if echo:
-                    text = _prompt_text(prompt) + text
-                choice = self._choice(index, text, _finish_reason(response["finish_reason"]), False, details)
-                if len(submissions) > 1:
-                    choice["blocklab"] = _blocklab(response)
-                whole["choices"].append(choice)
-                usage[0] += response["prompt_tokens"]
-                usage[1] += len(response["tokens"])
-                infos.append(_blocklab(response))
-            whole["usage"] = {
-                "prompt_tokens": usage[0],
-                "completion_tokens": usage[1],
-                "total_tokens": sum(usage),
-            }
-            whole["blocklab"] = infos[0]
-            return JSONResponse(whole)
+                responses.append(event["response"])
         finally:
             for submission in submissions:
                 submission.close()
+        details = [None] * len(responses)
+        if logprobs is not None:
+            details = await self._logprobs(translation, responses, echo, logprobs, client)
+        whole = self._envelope(body, self.kind, request_id)
+        whole["choices"] = []
+        for index, (prompt, response) in enumerate(zip(translation.prompts, responses, strict=True)):
+            text = _prompt_text(prompt) + response["text"] if echo else response["text"]
+            reason = _finish_reason(response["finish_reason"])
+            choice = self._choice(index, text, reason, False, details[index])
+            if len(responses) > 1:
+                choice["blocklab"] = _blocklab(response)
+            whole["choices"].append(choice)
+        whole["usage"] = _usage(
+            sum(response["prompt_tokens"] for response in responses),
+            sum(len(response["tokens"]) for response in responses),
+        )
+        whole["blocklab"] = _blocklab(responses[0])
+        return JSONResponse(whole)
+
+    async def _scores(
+        self, translation: _Translation, responses: list[dict], client: Request
+    ) -> list[dict | None]:
+        """The score of each prompt followed by what was generated for it (None: under 2 tokens, nothing
+        to score), from the responses themselves when they scored alone, else from scoring requests
+        admitted together."""
+        scores: list[dict | None] = [None] * len(responses)
+        pending: dict[int, Submission] = {}
+        try:
+            for index, (prompt, response) in enumerate(zip(translation.prompts, responses, strict=True)):
+                ids = _prompt_ids(prompt) + response["tokens"]
+                if response["score"] is not None and not response["tokens"]:
+                    scores[index] = response["score"]
+                elif len(ids) >= 2:
+                    overrides = {"max_new_tokens": 0, "score": True, "stream": False, "stop": None}
+                    scoring = translation.request(ids, **overrides, min_tokens=None)
+                    pending[index] = translation.admit(self.gateway, scoring)
+            for index, submission in pending.items():
+                event = await submission.final_event(client)
+                if event["event"] == "error":
+                    raise HTTPException(event["status"], event["message"])
+                scores[index] = event["response"]["score"]
+        finally:
+            for submission in pending.values():
+                submission.close()
+        return scores
 
     async def _logprobs(
-        self, translation: _Translation, prompt, response: dict, echo: bool, top: int, client: Request
-    ) -> dict:
-        """OpenAI's logprobs of a choice, from one scoring request over the prompt and what was generated:
-        the prompt's positions (the first has no logprob) when ``echo``, then the generated tokens'."""
-        prompt_ids = _prompt_ids(prompt)
-        ids = prompt_ids + response["tokens"]
-        losses: list[float | None] = [None]
-        top_tokens: list[int | None] = [None]
-        top_losses: list[float | None] = [None]
-        if len(ids) >= 2:
-            scoring = translation.request(
-                ids, max_new_tokens=0, score=True, stream=False, stop=None, min_tokens=None
-            )
-            submission = translation.admit(self.gateway, scoring)
-            try:
-                event = await submission.final_event(client)
-            finally:
-                submission.close()
-            if event["event"] == "error":
-                raise HTTPException(event["status"], event["message"])
-            score = event["response"]["score"]
-            if top and score.get("top_tokens") is None:
-                raise refuse("logprobs", "the engine does not report the most likely tokens yet: use 0", 501)
-            losses += score["token_losses"]
-            top_tokens += score.get("top_tokens") or [None] * len(score["token_losses"])
-            top_losses += score.get("top_losses") or [None] * len(score["token_losses"])
-        first = 0 if echo else len(prompt_ids)
-        # Offsets are characters from the start of the prompt, echoed or not, as OpenAI's are.
-        offset = 0 if echo else len(_prompt_text(prompt))
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for position in range(first, len(ids)):
-            token, loss = ids[position], losses[position]
-            result["tokens"].append(_token_string(token))
-            result["token_logprobs"].append(None if loss is None else -loss)
-            result["text_offset"].append(offset)
-            offset += len(decoder.decode(tokens.decode_token_bytes(token)))
-            if loss is None:
-                result["top_logprobs"].append(None)
-            else:
-                best = {_token_string(top_tokens[position]): -top_losses[position]} if top else {}
-                result["top_logprobs"].append({**best, _token_string(token): -loss})
-        return result
+        self, translation: _Translation, responses: list[dict], echo: bool, top: int, client: Request
+    ) -> list[dict]:
+        """OpenAI's logprobs of each choice: the prompt's positions when ``echo`` (the first has no
+        logprob), then the generated tokens', with the most likely token at each when ``top``."""
+        scores = await self._scores(translation, responses, client)
+        if top and any(score is not None and score.get("top_tokens") is None for score in scores):
+            raise refuse("logprobs", "the engine does not report the most likely tokens yet: use 0", 501)
+        results = []
+        for prompt, response, score in zip(translation.prompts, responses, scores, strict=True):
+            prompt_ids = _prompt_ids(prompt)
+            ids = prompt_ids + response["tokens"]
+            losses = [None] + (score["token_losses"] if score else [])
+            top_tokens = [None] + (score.get("top_tokens") or [] if score else [])
+            top_losses = [None] + (score.get("top_losses") or [] if score else [])
+            first = 0 if echo else len(prompt_ids)
+            # Offsets are characters from the start of the prompt, echoed or not, as OpenAI's are.
+            offset = 0 if echo else len(_prompt_text(prompt))
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for position in range(first, len(ids)):
+                token, loss = ids[position], losses[position]
+                result["tokens"].append(_token_string(token))
+                result["token_logprobs"].append(None if loss is None else -loss)
+                result["text_offset"].append(offset)
+                offset += len(decoder.decode(tokens.decode_token_bytes(token)))
+                if loss is None:
+                    result["top_logprobs"].append(None)
+                else:
+                    best = {_token_string(top_tokens[position]): -top_losses[position]} if top else {}
+                    result["top_logprobs"].append({**best, _token_string(token): -loss})
+            results.append(result)
+        return results
 
     async def _sse(
         self,
