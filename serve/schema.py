@@ -28,6 +28,9 @@ TokenId = Annotated[int, Field(ge=0, lt=tokens.VOCAB_SIZE)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 MIN_TEMPERATURE = 1e-6
 """Below it (and above 0) a float32 logit divided by the temperature overflows: NaN probabilities."""
+MIN_TOP_P = 1e-6
+"""Below it float32 probabilities cannot tell it from 0 (a top_p of 5e-324 is 0 in float32, which
+keeps no token); any top_p below the most likely token's probability keeps that token alone."""
 BLOCK_FIELDS = (
     "skip", "keep", "overwrite", "exit_at", "adaptive", "adaptive_min_blocks", "adaptive_check"
 )  # fmt: skip
@@ -65,7 +68,11 @@ class PredictRequest(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False, description="0: greedy.")
     top_k: int | None = Field(None, ge=1, le=tokens.VOCAB_SIZE)
     top_p: float = Field(
-        1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling; 1: the whole distribution."
+        1.0,
+        ge=MIN_TOP_P,
+        le=1.0,
+        allow_inf_nan=False,
+        description="Nucleus sampling: the smallest set of tokens whose probability reaches it.",
     )
     min_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS, description="No end-of-text before this many tokens.")
     ignore_eos: bool = Field(False, description="Generate max_new_tokens whatever is drawn (load tests).")
@@ -93,7 +100,9 @@ class PredictRequest(BaseModel):
 
     @field_validator("prompt")
     @classmethod
-    def _encodable(cls, prompt: str) -> str:
+    def _encodable(cls, prompt: str | None) -> str | None:
+        if prompt is None:  # an explicit null: the prompt comes as prompt_ids
+            return prompt
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as error:

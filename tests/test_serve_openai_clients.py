@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from lab import tokens
+from serve.schema import MIN_TOP_P
 from serve.testing import ServerProcess, TinyModel
 
 MODEL = "gpt2-random"
@@ -214,7 +215,11 @@ def test_explicit_nulls_mean_the_defaults(client):
 def test_sampling_options_reach_the_engine(client):
     greedy = {"model": MODEL, "prompt": "Hello there", "max_tokens": 6, "temperature": 0}
     expected = client.post("/v1/completions", json=greedy).json()["choices"][0]["text"]
-    narrow = greedy | {"temperature": 1.0, "top_p": 1e-9, "seed": 3}  # only the most likely token is left
+    narrow = greedy | {
+        "temperature": 1.0,
+        "top_p": MIN_TOP_P,
+        "seed": 3,
+    }  # only the most likely token is left
     assert client.post("/v1/completions", json=narrow).json()["choices"][0]["text"] == expected
     exact = greedy | {"ignore_eos": True, "min_tokens": 6, "top_k": -1}  # vLLM's -1: no top-k
     assert client.post("/v1/completions", json=exact).json()["usage"]["completion_tokens"] == 6
@@ -242,6 +247,7 @@ def test_sampling_options_reach_the_engine(client):
         ({"prompt": []}, "prompt"),
         ({"stop": ["x"] * 17}, "stop"),
         ({"top_p": 0}, "top_p"),
+        ({"top_p": 5e-324}, "top_p"),  # 0 in float32: below MIN_TOP_P
     ],
 )
 def test_what_stays_unsupported_is_refused_naming_the_field(client, body, param):
