@@ -11,13 +11,14 @@ or of lists of ids, becomes as many choices) that go through ``serve.gateway`` l
 same checks, same batches. (LitServe's ``OpenAISpec`` covers chat only and takes over its LitAPI; a
 second LitAPI for it would load the model again and never batch with ``/predict``.) The block set
 travels in the extra field ``blocks`` (a spec string, ``lab.blocks``); vLLM's extras ``top_k``,
-``min_tokens`` and ``ignore_eos`` are taken too, as load tools send them. ``echo`` with ``logprobs``
-(lm-eval's loglikelihood requests) scores the prompt, and any generated tokens, with one scoring
-request after the generation. Every response carries a ``blocklab`` object: the block set as run,
-blocks per token, server timings. What is not implemented (``n`` > 1, tools, penalties,
-``logit_bias``, ``logprobs`` > 1, ...) is refused with 422 whose ``param`` names it, never silently
-ignored; OpenAI's explicit nulls mean the default. Chat turns are rendered as a plain transcript
-(``role: content`` lines, then ``assistant:``): the served models are not chat-tuned.
+``min_tokens`` and ``ignore_eos`` are taken too, as load tools send them. ``logprobs`` (with
+``echo``: lm-eval's loglikelihood requests) come from scoring the prompt and what was generated:
+in the first pass when nothing is generated, else in a scoring request after it. Every response
+carries a ``blocklab`` object: the block set as run, blocks per token, server timings. What is not
+implemented (``n`` > 1, tools, penalties, ``logit_bias``, ``logprobs`` > 1, ...) is refused with
+422 whose ``param`` names it, never silently ignored; OpenAI's explicit nulls mean the default.
+Chat turns are rendered as a plain transcript (``role: content`` lines, then ``assistant:``): the
+served models are not chat-tuned.
 """
 
 import codecs
@@ -168,9 +169,8 @@ def _in_openai_terms(detail: list[dict], names: dict[str, str]) -> list[dict]:
     translated = []
     for error in detail:
         loc, msg = list(error["loc"]), error["msg"]
-        if loc[:1] != [
-            "body"
-        ]:  # from model_validate, not from FastAPI: the place is in the body all the same
+        # From model_validate, not from FastAPI, a place lacks the leading "body": it is there all the same.
+        if loc[:1] != ["body"]:
             loc = ["body", *loc]
         named = _NAMED_MESSAGE.fullmatch(msg)
         if loc == ["body"] and named:
