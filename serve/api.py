@@ -203,6 +203,10 @@ class BlockLabAPI(ls.LitAPI):
             submitted_at=submitted_at,
             cancelled=cancelled,
             deadline=deadline,
+            top_p=request.top_p,
+            min_tokens=request.min_tokens,
+            ignore_eos=request.ignore_eos,
+            stop=tuple(request.stop or ()),
         )
 
     def predict(self, jobs: list[Job | Rejection]) -> Iterator[list[tuple[int, dict]]]:
