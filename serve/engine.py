@@ -108,11 +108,15 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
 
-def _losses(model: GPT, stream: torch.Tensor, targets: list[int]) -> torch.Tensor:
-    """Next-token losses [n] of the first n positions of stream [T, D], whose next tokens are ``targets``."""
+def _scores(model: GPT, stream: torch.Tensor, targets: list[int]) -> torch.Tensor:
+    """The first n positions of stream [T, D], whose next tokens are ``targets``: per position the
+    target's loss, the most likely token and that token's loss (what OpenAI's logprobs report). [n, 3]."""
     n = len(targets)
     logits = model.unembed(stream[None, :n]).float()[0]  # [n, V]
-    return F.cross_entropy(logits, torch.tensor(targets, device=logits.device), reduction="none")  # [n]
+    losses = F.cross_entropy(logits, torch.tensor(targets, device=logits.device), reduction="none")  # [n]
+    top_logits, top_tokens = logits.max(-1)  # [n] each
+    top_losses = torch.logsumexp(logits, -1) - top_logits  # [n]
+    return torch.stack([losses, top_tokens.float(), top_losses], -1)  # [n, 3]
 
 
 class _Progress:
@@ -149,8 +153,18 @@ class _Progress:
         index = len(self.new_tokens) - 1
         return TokenEvent(index=index, token=token, text=piece, blocks=blocks).model_dump()
 
-    def scored(self, losses: torch.Tensor) -> None:
-        self.score = PromptScore(mean_loss=float(losses.mean()), token_losses=losses.tolist())
+    def scored(self, scores: torch.Tensor) -> None:
+        """From ``_scores``' [n, 3], or losses [n] alone (adaptive exit, through lab.generate.score)."""
+        if scores.dim() == 1:
+            self.score = PromptScore(mean_loss=float(scores.mean()), token_losses=scores.tolist())
+            return
+        losses = scores[:, 0]
+        self.score = PromptScore(
+            mean_loss=float(losses.mean()),
+            token_losses=losses.tolist(),
+            top_tokens=scores[:, 1].long().tolist(),
+            top_losses=scores[:, 2].tolist(),
+        )
 
     def done(self, finish_reason: str, blocks_run: list[int] | None) -> dict:
         now, job = time.monotonic(), self.job
@@ -355,7 +369,7 @@ class Engine:
         stream = row.decoder.extend(row.feed[row.fed : chunk_end])  # [t, D]
         targets = row.loss_targets[row.fed : chunk_end]
         if targets:
-            row.losses.append(_losses(self.model, stream, targets))
+            row.losses.append(_scores(self.model, stream, targets))
         row.fed = chunk_end
         progress.prefill_s += time.monotonic() - start
         if row.fed < len(row.feed):
