@@ -200,8 +200,6 @@ def error_event(status: int, message: str) -> dict:
     return ErrorEvent(status=status, message=message).model_dump()
 
 
-
-
 class _Row:
     """A job in the engine: its decoder (cache and position), sampler state and progress."""
 
