@@ -14,13 +14,9 @@ from lab.train import STREAM_TRAINER_ARGS, LitGPT
 
 CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=32, vocab_size=64)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
 
 
 def test_layer_dropout_rises_with_depth_and_with_the_curriculum():
