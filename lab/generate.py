@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from lab.blocks import BlockSet
 from lab.errors import UserError
 from lab.exit_probe import check_fits
-from lab.model import GPT, Block, KVCache, Linear
+from lab.model import GPT, Block, KVCache, Linear, extend_cache
 from lab.quantize import WEIGHT_DTYPES, load
 
 
@@ -125,9 +125,7 @@ def propagate_kv(block: Block, x: torch.Tensor, cache: tuple[torch.Tensor, torch
     else:
         kv = c_attn(h)[..., D:]  # [B, T, 2D]
     k, v = kv.reshape(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4)  # 2 x [B, H, T, Dh]
-    k_cache, v_cache = cache  # [B, H, T_max, Dh] each
-    k_cache[:, :, pos : pos + T] = k
-    v_cache[:, :, pos : pos + T] = v
+    extend_cache(cache, k, v, pos)
 
 
 class Decoder:

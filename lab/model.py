@@ -97,6 +97,18 @@ class HookPoint(nn.Identity):
         return bool(self._forward_hooks)
 
 
+def extend_cache(
+    cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, pos: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write keys and values k, v [B, H, T, Dh] at positions pos.. of one block's cache ([B, H, T_max,
+    Dh] each); the keys and values of positions 0..pos+T-1, [B, H, S, Dh] each (views)."""
+    k_cache, v_cache = cache
+    T = k.size(2)
+    k_cache[:, :, pos : pos + T] = k
+    v_cache[:, :, pos : pos + T] = v
+    return k_cache[:, :, : pos + T], v_cache[:, :, : pos + T]
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: the only stage that mixes positions."""
 
@@ -140,10 +152,7 @@ class CausalSelfAttention(nn.Module):
             y = torch.cat(rows)  # [B, H, T, Dh]
             return self.resid_dropout(self.c_proj(self.z(y.transpose(1, 2).reshape(B, T, D))))  # [B, T, D]
         if cache is not None:
-            k_cache, v_cache = cache  # [B, H, T_max, Dh] each
-            k_cache[:, :, pos : pos + T] = k
-            v_cache[:, :, pos : pos + T] = v
-            k, v = k_cache[:, :, : pos + T], v_cache[:, :, : pos + T]  # [B, H, S, Dh], S = pos + T
+            k, v = extend_cache(cache, k, v, pos)  # [B, H, S, Dh], S = pos + T
         S = k.size(2)
         dropout = self.dropout if self.training else 0.0
 
@@ -177,10 +186,7 @@ class CausalSelfAttention(nn.Module):
         The same call whatever other rows share the step, so a row's values never depend on them.
         """
         T = q.size(2)
-        k_cache, v_cache = cache  # [1, H, T_max, Dh] each
-        k_cache[:, :, pos : pos + T] = k
-        v_cache[:, :, pos : pos + T] = v
-        k, v = k_cache[:, :, : pos + T], v_cache[:, :, : pos + T]  # [1, H, S, Dh]
+        k, v = extend_cache(cache, k, v, pos)  # [1, H, S, Dh], S = pos + T
         if T == 1:
             return F.scaled_dot_product_attention(q, k, v)  # [1, H, 1, Dh]: the newest token sees all
         allowed = torch.ones(T, pos + T, dtype=torch.bool, device=q.device).tril(diagonal=pos)  # [T, S]
