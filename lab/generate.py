@@ -87,7 +87,7 @@ def stability(read_now: torch.Tensor, read_before: torch.Tensor) -> torch.Tensor
 
 
 def exit_score(
-    model: GPT, block_set: BlockSet, block: int, read_now: torch.Tensor, read_before: torch.Tensor
+    model: GPT, block_set: BlockSet, block: int, read_now: torch.Tensor, read_before: torch.Tensor | None
 ) -> torch.Tensor:
     """What the adaptive threshold applies to after ``block``, per position [...]: the exit probe's
     probability (``check=probe``) or the cosine of consecutive reads. reads [..., D]."""
@@ -207,8 +207,8 @@ def decode_rows(
             continue
         checking = [b for b in rows if _checks_after(decoders[b], ran[b] + 1)]
         for b in checking:
-            if read_before[b] is None:
-                read_before[b] = model.ln_f(x[b : b + 1])  # [1, 1, D]
+            if read_before[b] is None and decoders[b].block_set.adaptive_check == "cosine":
+                read_before[b] = model.ln_f(x[b : b + 1])  # [1, 1, D]: only the cosine compares reads
         overwrite = [i in decoders[b].block_set.overwrite for b in rows]
         caches = [decoders[b].cache.layer(i) for b in rows]
         at = [positions[b] for b in rows]
@@ -480,8 +480,8 @@ def adaptive_forward(
     read_before = None
     for ran, i in enumerate(blocks, start=1):
         checking = block_set.adaptive_min_blocks <= ran < len(blocks)
-        if checking and read_before is None:
-            read_before = model.ln_f(x)  # [1, T, D]
+        if checking and read_before is None and block_set.adaptive_check == "cosine":
+            read_before = model.ln_f(x)  # [1, T, D]: only the cosine compares reads
         out = model.blocks[i](x, overwrite=i in block_set.overwrite)  # [1, T, D]
         x = torch.where(active[None, :, None], out, x)  # exited positions keep their exit state
         depth += active.cpu()
