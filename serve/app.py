@@ -38,10 +38,11 @@ from litserve.server import no_auth
 from litserve.utils import WorkerSetupStatus
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lab.blocks import BlockSet
 from lab.quantize import WEIGHT_DTYPES
 from serve import gateway, openai_compat
 from serve.api import BlockLabAPI, ModelFactory, SharedState, WeightsLoader
-from serve.schema import PredictResponse
+from serve.schema import ModelLimits, PredictResponse
 
 logger = logging.getLogger("blocklab.serve")
 
@@ -88,6 +89,8 @@ class ServeConfig:
     drain_timeout: float = 30.0
     """On SIGTERM/SIGINT, seconds to let requests in flight finish before they are cut."""
     log_level: str = "info"
+    default_blocks: str | None = None
+    """The block set of requests that name none, e.g. one ``blocklab plan`` recommended (None: all)."""
 
 
 def blocklab_version() -> str:
@@ -162,6 +165,7 @@ class BlockLabServer(ls.LitServer):
                 "name": config.model,
                 "dtype": config.dtype,
                 "blocklab_version": blocklab_version(),
+                "default_blocks": config.default_blocks or "all",
             },
         )
         workers = len(self._inference_workers_config_for_api(api.api_path))
@@ -211,7 +215,7 @@ class BlockLabServer(ls.LitServer):
 
 def build_server(config: ServeConfig, model_factory: ModelFactory | None = None) -> BlockLabServer:
     """The server for ``config``; ``model_factory`` (tests) replaces loading ``config.model``."""
-    shared = SharedState(config.max_in_flight)
+    shared = SharedState(config.max_in_flight, config.default_blocks)
     api = BlockLabAPI(
         model_factory or WeightsLoader(config.model, config.dtype),
         shared,
@@ -233,6 +237,18 @@ def _wait_for_workers(server: BlockLabServer) -> None:
         if any(not worker.is_alive() for worker in server.inference_workers):
             raise RuntimeError("a worker died while loading the model")
         time.sleep(0.05)
+
+
+def _check_default_blocks(config: ServeConfig, limits: ModelLimits) -> None:
+    """Checked once against the loaded model: a bad default stops the server, not every request."""
+    if config.default_blocks is None:
+        return
+    try:
+        default = BlockSet.parse(config.default_blocks, limits.n_layer)
+    except ValueError as error:
+        raise RuntimeError(f"--default-blocks {config.default_blocks}: {error}") from None
+    if default.adaptive_check == "probe" and not limits.exit_probe:
+        raise RuntimeError(f"--default-blocks {config.default_blocks}: check=probe needs an exit probe")
 
 
 def _stop(server: BlockLabServer, manager) -> None:
@@ -274,6 +290,7 @@ def serve(config: ServeConfig, model_factory: ModelFactory | None = None) -> Non
     try:
         server.inference_workers = server.launch_inference_worker(api)
         _wait_for_workers(server)
+        _check_default_blocks(config, api.shared.limits())
         server.model_metadata.update(api.shared.model_info())
         server._start_worker_monitoring(manager, {})
         logger.info("serving %s: %s", config.model, server.model_metadata)
@@ -339,6 +356,11 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=d.drain_timeout,
         help="on SIGTERM/SIGINT, seconds for requests in flight to finish",
+    )
+    add(
+        "--default-blocks",
+        default=d.default_blocks,
+        help="block set of requests that name none (default: all)",
     )
     add("--log-level", choices=["critical", "error", "warning", "info", "debug"], default=d.log_level)
     return parser

@@ -5,6 +5,7 @@
     blocklab traffic --serve builtin                                   # start, measure, stop a server
     blocklab traffic --serve gpt2-random --serve-dtype int4            # ... serving int4 weights
     blocklab traffic --prompts my_prompts.jsonl --block-sets all skip=5 exit=9 --duration 60 --json
+    blocklab traffic --serve builtin --block-sets-from runs/plan/plan.json   # a plan's frontier, served
 
 For each block set in turn, the same prompts (a text file with one prompt per line, a JSONL file
 with a ``prompt`` per line, or by default paragraphs of the Python docs bundled with Python,
@@ -366,6 +367,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="block set specs (default: adapted to the model's depth)",
     )
+    add(
+        "--block-sets-from",
+        type=Path,
+        default=None,
+        help="a `blocklab plan` JSON: replay its frontier (with all), so its estimates meet served requests",
+    )
     add("--concurrency", type=int, default=4, help="clients sending at once")
     add("--requests", type=int, default=16, help="requests per block set (unless --duration)")
     add("--duration", type=float, default=None, help="seconds per block set instead of a request count")
@@ -426,6 +433,11 @@ def main(argv: list[str]) -> int:
     check_loopback(args.url, args.allow_remote)
     if args.concurrency < 1 or args.requests < 1:
         raise SystemExit("blocklab traffic: --concurrency and --requests must be >= 1")
+    if args.block_sets_from is not None:
+        if args.block_sets:
+            raise SystemExit("blocklab traffic: give --block-sets or --block-sets-from, not both")
+        frontier = json.loads(args.block_sets_from.read_text())["frontier"]
+        args.block_sets = list(dict.fromkeys(["all", *(point["block_set"] for point in frontier)]))
     if args.serve is None:
         summaries, meta = asyncio.run(_run(args))
     else:

@@ -185,3 +185,51 @@ def test_bad_input_one_line_and_status_2(model_dir, tmp_path, capsys, extra, mes
     assert plan.main([*argv, *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("blocklab plan: ") and message in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# Deploying a plan: the server's default block set, and traffic replaying a plan's frontier
+
+
+def test_a_request_naming_no_blocks_gets_the_servers_default():
+    from serve.api import BlockLabAPI, SharedState
+    from serve.schema import ModelLimits, PredictRequest, resolve
+    from serve.testing import TinyModel
+
+    limits = ModelLimits(n_layer=4, block_size=64, default_blocks="skip=1,2")
+    assert resolve(PredictRequest(prompt="hello there"), limits).block_set == BlockSet(skip={1, 2})
+    assert resolve(PredictRequest(prompt="hello there", blocks="all"), limits).block_set == BlockSet()
+    assert resolve(PredictRequest(prompt="hello there", exit_at=2), limits).block_set == BlockSet(exit_at=2)
+    api = BlockLabAPI(TinyModel(n_layer=4, block_size=64), SharedState(4, "exit=3"))
+    api.load("cpu")
+    assert api.decode_request(PredictRequest(prompt="hello there")).block_set == BlockSet(exit_at=3)
+
+
+def test_serve_reports_its_default_and_refuses_a_bad_one_at_start():
+    from serve import app
+    from serve.schema import ModelLimits
+    from serve.testing import TinyModel
+
+    config = app.ServeConfig(**vars(app._parser().parse_args(["--default-blocks", "skip=3"])))
+    assert app.build_server(config, TinyModel()).model_metadata["default_blocks"] == "skip=3"
+    app._check_default_blocks(config, ModelLimits(n_layer=4, block_size=64))
+    for spec, message in [("skip=9", "out of range"), ("adaptive=0.9;check=probe", "needs an exit probe")]:
+        with pytest.raises(RuntimeError, match=message):
+            app._check_default_blocks(app.ServeConfig(default_blocks=spec), ModelLimits(4, 64))
+
+
+def test_traffic_replays_a_plans_frontier(tmp_path, monkeypatch):
+    from serve import traffic
+
+    plan_json = tmp_path / "plan.json"
+    plan_json.write_text(json.dumps({"frontier": [{"block_set": "exit=2"}, {"block_set": "all"}]}))
+    seen = {}
+
+    async def fake_run(args):
+        seen["block_sets"] = args.block_sets
+        raise SystemExit(0)
+
+    monkeypatch.setattr(traffic, "_run", fake_run)
+    with pytest.raises(SystemExit):
+        traffic.main(["traffic", "--block-sets-from", str(plan_json)])
+    assert seen["block_sets"] == ["all", "exit=2"]
