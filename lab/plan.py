@@ -50,6 +50,8 @@ PRUNING = ("single", "bi", "angular", "greedy")
 ADAPTIVE_THRESHOLDS = (0.7, 0.8, 0.9, 0.95)
 BATCH_TOKENS = 2048
 """Positions per batched forward pass: the logits of one batch are BATCH_TOKENS x V floats."""
+CACHE_BYTES = 2**30
+"""Most memory ``LossMeter`` keeps the full stack's stream in (the input of every block, every token)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -139,16 +141,18 @@ def batches(windows: list[list[int]], device: torch.device) -> Iterator[torch.Te
 class LossMeter:
     """Mean next-token loss of a set of windows under any block set, each set measured once.
 
-    Fixed sets run batched through ``GPT.residual_stream``; adaptive sets decide per token, so they run
-    window by window through ``lab.generate.score``. The read-out uses the token table's distinct rows,
-    each weighted by how often it repeats: exact, and for a model whose never-seen tokens share one row
-    (the builtin model: ~31k of 50257) it skips most of the unembedding, the bulk of a narrow model's
-    work.
+    Fixed sets run batched. The stream entering every block under all blocks is kept (within
+    ``CACHE_BYTES``), so a set starts at its first skipped block or its exit: the blocks before it
+    would compute the same stream again. Adaptive sets decide per token, so they run window by window
+    through ``lab.generate.score``. The read-out uses the token table's distinct rows, each counted as
+    often as it repeats: exact, and for a model whose never-seen tokens share one row (the builtin
+    model: ~31k of 50257) it skips most of the unembedding, the bulk of a narrow model's work.
     """
 
     def __init__(self, model: GPT, windows: list[list[int]]):
         self.model, self.windows = model, windows
         self.tokens = sum(len(w) - 1 for w in windows)
+        self.batches = list(batches(windows, model.wte.weight.device))  # [B, T+1] each
         self.measured: dict[str, float] = {}
         self.mean_blocks: dict[str, float] = {}
         """Blocks run per predicted token, per measured set (varies only under adaptive exit)."""
@@ -157,7 +161,27 @@ class LossMeter:
             rows, self.row_of, counts = torch.unique(
                 model.wte.weight.detach(), dim=0, return_inverse=True, return_counts=True
             )  # [U, D], [V] token -> its row, [U]
-            self.table, self.log_counts = rows, counts.float().log()
+            self.table = rows
+            self.repeated = (counts > 1).nonzero()[:, 0]  # [R] rows that stand for several tokens
+            self.log_repeats = counts[self.repeated].float().log()  # [R]
+        cfg, weight = model.config, model.wte.weight
+        size = self.tokens * cfg.n_embd * (cfg.n_layer + 1) * weight.element_size()
+        self.cached = None
+        if size <= CACHE_BYTES:
+            self.cached = list(self.streams())
+
+    def streams(self) -> Iterator[list[torch.Tensor]]:
+        """Per batch, the stream entering each block under all blocks, then leaving the last.
+        L+1 x [B, T, D]"""
+        if self.cached is not None:
+            yield from self.cached
+            return
+        L = self.model.config.n_layer
+        names = [f"blocks.{i}.resid_pre" for i in range(L)] + [f"blocks.{L - 1}.resid_post"]
+        for idx in self.batches:
+            with torch.inference_mode(), capture(self.model, names) as seen:
+                self.model.residual_stream(idx[:, :-1])
+            yield [seen[name] for name in names]
 
     def __call__(self, block_set: BlockSet) -> float:
         spec = str(block_set)
@@ -175,9 +199,17 @@ class LossMeter:
 
     @torch.inference_mode()
     def _fixed_total(self, block_set: BlockSet) -> float:
+        model, L = self.model, self.model.config.n_layer
+        top = L if block_set.exit_at is None else block_set.exit_at
+        first = min([*block_set.skip, *block_set.overwrite, top])  # the first block that differs
         total = 0.0
-        for idx in batches(self.windows, self.model.wte.weight.device):
-            x = self.model.residual_stream(idx[:, :-1], block_set=block_set)  # [B, T, D]
+        for b, idx in enumerate(self.batches):
+            if self.cached is None:
+                x = model.residual_stream(idx[:, :-1], block_set=block_set)  # [B, T, D]
+            else:
+                x = self.cached[b][first]  # [B, T, D]
+                for i in [i for i in block_set.blocks_to_run(L) if i >= first]:
+                    x = model.blocks[i](x, overwrite=i in block_set.overwrite)
             total += float(self.token_losses(x, idx[:, 1:]).double().sum())
         return total
 
@@ -187,39 +219,32 @@ class LossMeter:
             logits = self.model.unembed(x).float()  # [B, T, V]
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
         logits = F.linear(self.model.ln_f(x), self.table).float()  # [B, T, U]
-        normaliser = torch.logsumexp(
-            logits + self.log_counts, dim=-1
-        )  # [B, T]: each row counted as often as it repeats
         target = logits.gather(-1, self.row_of[targets][..., None])[..., 0]  # [B, T]
-        return normaliser - target
+        logits[..., self.repeated] += self.log_repeats  # a row counts once per token it stands for
+        return torch.logsumexp(logits, dim=-1) - target
 
 
 # ---------------------------------------------------------------------------------------------------
 # Proxies: how far each block (or run of blocks) turns the stream
 
 
-@torch.inference_mode()
-def stream_angles(model: GPT, windows: list[list[int]], max_span: int) -> tuple[torch.Tensor, torch.Tensor]:
+def stream_angles(meter: LossMeter, max_span: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean over tokens of cos(x_l, x_l+k) and of arccos(cos(x_l, x_l+k)) / pi, for every start l and
-    span k <= ``max_span`` (x_l: the stream entering block l; x_L: leaving the last). [L, K+1] each,
-    NaN where l + k > L; column 0 unused."""
-    L = model.config.n_layer
-    names = [f"blocks.{i}.resid_pre" for i in range(L)] + [f"blocks.{L - 1}.resid_post"]
+    span k <= ``max_span`` (x_l: the stream entering block l; x_L: leaving the last), on ``meter``'s
+    windows. [L, K+1] each, NaN where l + k > L; column 0 unused."""
+    L = meter.model.config.n_layer
     cos_sum = torch.zeros(L, max_span + 1, dtype=torch.float64)
     angle_sum = torch.zeros_like(cos_sum)
-    count = 0
-    for idx in batches(windows, model.wte.weight.device):
-        with capture(model, names) as seen:
-            model.residual_stream(idx[:, :-1])
-        stream = [seen[name].flatten(0, 1).double() for name in names]  # L+1 x [N, D]
+    for streams in meter.streams():
+        stream = [x.flatten(0, 1).double() for x in streams]  # L+1 x [N, D]
         for start in range(L):
             for k in range(1, min(max_span, L - start) + 1):
                 cos = F.cosine_similarity(stream[start], stream[start + k], dim=-1).clamp(-1.0, 1.0)  # [N]
                 cos_sum[start, k] += cos.sum()
                 angle_sum[start, k] += (torch.arccos(cos) / math.pi).sum()
-        count += stream[0].size(0)
     valid = torch.tensor([[1 <= k <= L - start for k in range(max_span + 1)] for start in range(L)])
     nan = torch.tensor(float("nan"), dtype=torch.float64)
+    count = meter.tokens
     return torch.where(valid, cos_sum / count, nan), torch.where(valid, angle_sum / count, nan)
 
 
@@ -249,7 +274,7 @@ def choose(model: GPT, meter: LossMeter, max_drop: int) -> tuple[dict[str, list[
     L = model.config.n_layer
     base = meter(BlockSet())
     single = [meter(skip([i])) - base for i in range(L)]
-    cos, angle = stream_angles(model, meter.windows, max_drop)
+    cos, angle = stream_angles(meter, max_drop)
     influence = (1 - cos[:, 1]).tolist()
     by_single = sorted(range(L), key=lambda i: single[i])  # stable: ties go to the lower index
     by_influence = sorted(range(L), key=lambda i: influence[i])
@@ -282,18 +307,22 @@ def choose(model: GPT, meter: LossMeter, max_drop: int) -> tuple[dict[str, list[
 # Latency
 
 
+def schedule(block_sets: list[BlockSet], rounds: int) -> list[tuple[bool, BlockSet]]:
+    """One unmeasured run first (a first call pays one-time costs), then ``rounds`` rounds of every set,
+    interleaved so that a change in the machine's load falls on all of them alike."""
+    return [(False, block_sets[0])] + [(True, s) for _ in range(rounds) for s in block_sets]
+
+
 def decode_ms(
     model: GPT, prompt: list[int], block_sets: list[BlockSet], new_tokens: int = 32, rounds: int = 3
 ):
     """Batch-1 ms per new token for each set (spec -> ms): the median of ``rounds`` greedy decodes of
-    ``new_tokens`` after ``prompt``, the sets interleaved within a round so that a change in the
-    machine's load falls on all of them alike."""
+    ``new_tokens`` after ``prompt`` (``schedule``)."""
     times: dict[str, list[float]] = defaultdict(list)
-    for round_ in range(rounds + 1):  # round 0 warms up (first calls pay one-time costs) and is dropped
-        for block_set in block_sets:
-            stamps = [time.perf_counter() for _ in generate(model, prompt, new_tokens, block_set=block_set)]
-            if round_ and len(stamps) > 1:
-                times[str(block_set)].append((stamps[-1] - stamps[0]) * 1e3 / (len(stamps) - 1))
+    for measured, block_set in schedule(block_sets, rounds):
+        stamps = [time.perf_counter() for _ in generate(model, prompt, new_tokens, block_set=block_set)]
+        if measured and len(stamps) > 1:
+            times[str(block_set)].append((stamps[-1] - stamps[0]) * 1e3 / (len(stamps) - 1))
     return {spec: statistics.median(values) for spec, values in times.items()}
 
 
@@ -324,18 +353,15 @@ def served_ms(
                 raise ValueError(
                     f"--url: the server's model has {depth} blocks, --model's {model.config.n_layer}"
                 )
-            for round_ in range(rounds + 1):
-                for block_set in block_sets:
-                    body = {"prompt": prompt, "max_new_tokens": new_tokens, "blocks": str(block_set),
-                            "score": True, "seed": 0}  # fmt: skip
-                    response = client.post("/predict", json=body)
-                    if response.status_code != 200:
-                        raise ValueError(
-                            f"--url: {response.status_code} for {block_set}: {response.text[:200]}"
-                        )
-                    per_token = response.json()["timings"]["per_token_ms"]
-                    if round_ and per_token is not None:
-                        times[str(block_set)].append(per_token)
+            for measured, block_set in schedule(block_sets, rounds):
+                body = {"prompt": prompt, "max_new_tokens": new_tokens, "blocks": str(block_set),
+                        "score": True, "seed": 0}  # fmt: skip
+                response = client.post("/predict", json=body)
+                if response.status_code != 200:
+                    raise ValueError(f"--url: {response.status_code} for {block_set}: {response.text[:200]}")
+                per_token = response.json()["timings"]["per_token_ms"]
+                if measured and per_token is not None:
+                    times[str(block_set)].append(per_token)
     except httpx.HTTPError as error:
         raise ValueError(f"--url: {url}: {error}") from None
     return {spec: statistics.median(values) for spec, values in times.items()}

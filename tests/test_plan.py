@@ -233,3 +233,14 @@ def test_traffic_replays_a_plans_frontier(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         traffic.main(["traffic", "--block-sets-from", str(plan_json)])
     assert seen["block_sets"] == ["all", "exit=2"]
+
+
+def test_sets_start_from_the_kept_stream_or_run_whole_alike(monkeypatch):
+    model = tiny()
+    sets = [BlockSet(skip=frozenset({2, 4})), BlockSet(exit_at=3), BlockSet(overwrite=frozenset({1}))]
+    kept = plan.LossMeter(model, WINDOWS[:4])
+    monkeypatch.setattr(plan, "CACHE_BYTES", 0)
+    whole = plan.LossMeter(model, WINDOWS[:4])
+    assert kept.cached is not None and whole.cached is None
+    for block_set in sets:
+        assert kept(block_set) == pytest.approx(whole(block_set), abs=1e-6)
