@@ -48,8 +48,10 @@ from lab.model import GPT
 PRUNING = ("single", "bi", "angular", "greedy")
 """The methods that choose which blocks to skip (the others are depth rules)."""
 ADAPTIVE_THRESHOLDS = (0.7, 0.8, 0.9, 0.95)
-BATCH_TOKENS = 2048
-"""Positions per batched forward pass: the logits of one batch are BATCH_TOKENS x V floats."""
+BATCH_TOKENS = 512
+"""Positions per batched forward pass. Small, so that one batch's logits (positions x V floats) come
+back from the allocator's free memory instead of being mapped afresh from the OS every batch, which
+spent as much system time as the work itself."""
 CACHE_BYTES = 2**30
 """Most memory ``LossMeter`` keeps the full stack's stream in (the input of every block, every token)."""
 
