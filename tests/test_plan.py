@@ -244,3 +244,21 @@ def test_sets_start_from_the_kept_stream_or_run_whole_alike(monkeypatch):
     assert kept.cached is not None and whole.cached is None
     for block_set in sets:
         assert kept(block_set) == pytest.approx(whole(block_set), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_served_default_and_latency_through_the_server():
+    import httpx
+
+    from serve.testing import ServerProcess, TinyModel
+
+    factory = TinyModel(n_layer=4, block_size=64)
+    with ServerProcess(["--threads", "1", "--default-blocks", "skip=1"], model_factory=factory) as server:
+        assert httpx.get(server.url + "/info").json()["model"]["default_blocks"] == "skip=1"
+        answer = httpx.post(server.url + "/predict", json={"prompt": "def main(", "max_new_tokens": 2}).json()
+        assert answer["block_set"] == "skip=1"
+        sets = [BlockSet(), BlockSet(exit_at=2)]
+        ms = plan.served_ms(server.url, factory("cpu"), "def main(", sets, new_tokens=4, rounds=1)
+        assert set(ms) == {"all", "exit=2"} and all(v > 0 for v in ms.values())
+        with pytest.raises(ValueError, match="the server's model has 4 blocks"):
+            plan.served_ms(server.url, tiny(), "def main(", sets, new_tokens=4, rounds=1)
