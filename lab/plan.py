@@ -311,12 +311,13 @@ def choose(model: GPT, meter: LossMeter, max_drop: int) -> tuple[dict[str, list[
 
 def schedule(block_sets: list[BlockSet], rounds: int) -> list[tuple[bool, BlockSet]]:
     """One unmeasured run first (a first call pays one-time costs), then ``rounds`` rounds of every set,
-    interleaved so that a change in the machine's load falls on all of them alike."""
+    interleaved so that a change in the machine's load falls on all of them alike. Many short runs
+    rather than a few long ones: their median leaves out the runs another process slowed."""
     return [(False, block_sets[0])] + [(True, s) for _ in range(rounds) for s in block_sets]
 
 
 def decode_ms(
-    model: GPT, prompt: list[int], block_sets: list[BlockSet], new_tokens: int = 32, rounds: int = 3
+    model: GPT, prompt: list[int], block_sets: list[BlockSet], new_tokens: int = 16, rounds: int = 7
 ):
     """Batch-1 ms per new token for each set (spec -> ms): the median of ``rounds`` greedy decodes of
     ``new_tokens`` after ``prompt`` (``schedule``)."""
@@ -340,7 +341,7 @@ def check_loopback(url: str) -> None:
 
 
 def served_ms(
-    url: str, model: GPT, prompt: str, block_sets: list[BlockSet], new_tokens: int = 32, rounds: int = 3
+    url: str, model: GPT, prompt: str, block_sets: list[BlockSet], new_tokens: int = 16, rounds: int = 7
 ):
     """As ``decode_ms``, through a running server: its ``/predict`` (with ``score``) and the per-token
     time the server reports, so the number is what a request sees apart from the network."""
