@@ -120,7 +120,7 @@ def split(
     windows: list[list[int]], calibration_share: float = 0.5
 ) -> tuple[list[list[int]], list[list[int]]]:
     """The first ``calibration_share`` of the windows to choose on, the rest to measure on: contiguous
-    halves, so on the default text the two splits are different files."""
+    parts, so the two share at most the file (or prompt) that the cut falls in."""
     cut = min(max(1, round(len(windows) * calibration_share)), len(windows) - 1)
     return windows[:cut], windows[cut:]
 
@@ -501,8 +501,8 @@ def render(report: dict) -> str:
     from lab.analysis.common import table
 
     on_frontier = {p["block_set"] for p in report["frontier"]}
-    rows = [["all", 0, "all", report["all"]["loss"], "+0", report["all"]["ms_per_token"], "*"]]
-    for method, group in report["methods"].items():
+    rows = []
+    for method, group in [("all", [report["all"]]), *report["methods"].items()]:
         for p in group:
             mark = "*" if p["block_set"] in on_frontier else ""
             rows.append(
@@ -647,7 +647,8 @@ def run(args: argparse.Namespace) -> dict:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     files = {"json": str(args.out / "plan.json"), "png": str(args.out / "plan.png")}
-    where = f"served by {args.url}" if args.url else f"in-process, {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    where = f"served by {args.url}" if args.url else f"in-process, torch threads: {threads}"
     report = {"model": args.model, "text": text, "latency": where, **report, "files": files}
     report["seconds"] = round(time.perf_counter() - started, 1)
     Path(files["json"]).write_text(json.dumps(report, indent=2) + "\n")
