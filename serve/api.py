@@ -66,7 +66,8 @@ class SharedState:
 
     MAX_WORKERS = 64
 
-    def __init__(self, max_in_flight: int):
+    def __init__(self, max_in_flight: int, default_blocks: str | None = None):
+        self.default_blocks = default_blocks  # a plain attribute: it travels to the workers pickled
         context = mp.get_context("spawn")
         self.model = context.RawArray(ctypes.c_int64, 5)
         self.cancelled = context.RawArray(ctypes.c_int64, max_in_flight)
@@ -96,7 +97,11 @@ class SharedState:
 
     def limits(self) -> ModelLimits | None:
         n_layer, block_size, _, _, has_probe = self.model[:]
-        return ModelLimits(n_layer, block_size, exit_probe=bool(has_probe)) if n_layer else None
+        if not n_layer:
+            return None
+        return ModelLimits(
+            n_layer, block_size, exit_probe=bool(has_probe), default_blocks=self.default_blocks
+        )
 
     def model_info(self) -> dict:
         n_layer, block_size, vocab_size, n_params, has_probe = self.model[:]

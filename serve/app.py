@@ -35,13 +35,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lab.blocks import BlockSet
 from lab.quantize import WEIGHT_DTYPES
 from lab.weights import locate
 from serve import gateway, openai_compat
 from serve.api import BlockLabAPI, ModelFactory, SharedState, WeightsLoader
 from serve.connections import ReadDeadlineH11Protocol
 from serve.litserve_seam import SeamServer
-from serve.schema import PredictResponse
+from serve.schema import ModelLimits, PredictResponse
 
 logger = logging.getLogger("blocklab.serve")
 
@@ -102,6 +103,8 @@ class ServeConfig:
     backlog: int = 2048
     """Connections the kernel queues before the server accepts them."""
     log_level: str = "info"
+    default_blocks: str | None = None
+    """The block set of requests that name none, e.g. one ``blocklab plan`` recommended (None: all)."""
 
 
 def blocklab_version() -> str:
@@ -167,6 +170,7 @@ class BlockLabServer(SeamServer):
                 "name": config.model,
                 "dtype": config.dtype,
                 "blocklab_version": blocklab_version(),
+                "default_blocks": config.default_blocks or "all",
             },
         )
         workers = self.worker_count(api)
@@ -209,7 +213,7 @@ class BlockLabServer(SeamServer):
 
 def build_server(config: ServeConfig, model_factory: ModelFactory | None = None) -> BlockLabServer:
     """The server for ``config``; ``model_factory`` (tests) replaces loading ``config.model``."""
-    shared = SharedState(config.max_in_flight)
+    shared = SharedState(config.max_in_flight, config.default_blocks)
     api = BlockLabAPI(
         model_factory or WeightsLoader(config.model, config.dtype),
         shared,
@@ -220,6 +224,18 @@ def build_server(config: ServeConfig, model_factory: ModelFactory | None = None)
         threads=config.threads or max(1, ((os.cpu_count() or 1) - 1) // config.workers),
     )
     return BlockLabServer(api, config)
+
+
+def _check_default_blocks(config: ServeConfig, limits: ModelLimits) -> None:
+    """Checked once against the loaded model: a bad default stops the server, not every request."""
+    if config.default_blocks is None:
+        return
+    try:
+        default = BlockSet.parse(config.default_blocks, limits.n_layer)
+    except ValueError as error:
+        raise RuntimeError(f"--default-blocks {config.default_blocks}: {error}") from None
+    if default.adaptive_check == "probe" and not limits.exit_probe:
+        raise RuntimeError(f"--default-blocks {config.default_blocks}: check=probe needs an exit probe")
 
 
 def _interrupt(signum, frame) -> None:
@@ -241,6 +257,7 @@ def serve(config: ServeConfig, model_factory: ModelFactory | None = None) -> Non
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.start_workers(api)
+        _check_default_blocks(config, api.shared.limits())
         server.model_metadata.update(api.shared.model_info())
         logger.info("serving %s: %s", config.model, server.model_metadata)
         uvicorn.Server(
@@ -339,6 +356,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("--max-connections", type=int, default=d.max_connections, help="open connections; past them, 503")
     add("--backlog", type=int, default=d.backlog, help="connections the kernel queues before accept")
+    add(
+        "--default-blocks",
+        default=d.default_blocks,
+        help="block set of requests that name none (default: all)",
+    )
     add("--log-level", choices=["critical", "error", "warning", "info", "debug"], default=d.log_level)
     return parser
 

@@ -159,6 +159,8 @@ class ModelLimits:
     block_size: int
     exit_probe: bool = False
     """Whether the model has an exit probe (lab.exit_probe), which ``check=probe`` needs."""
+    default_blocks: str | None = None
+    """The block set of a request that names none (``blocklab serve --default-blocks``); None: all."""
 
 
 class RequestError(ValueError):
@@ -191,12 +193,15 @@ def _duplicates(name: str, indices: list[int] | None) -> None:
         raise RequestError(name, f"duplicated block index in {indices}")
 
 
-def resolve_block_set(request: PredictRequest, n_layer: int) -> BlockSet:
-    """The request's block set, validated against ``n_layer`` blocks; RequestError names the field."""
+def resolve_block_set(request: PredictRequest, n_layer: int, default: str | None = None) -> BlockSet:
+    """The request's block set, validated against ``n_layer`` blocks; RequestError names the field.
+    A request that names no blocks gets ``default`` (a spec string; None: all blocks)."""
+    names_none = all(getattr(request, name) is None for name in ("blocks", *BLOCK_FIELDS))
+    spec = default if names_none else request.blocks
     try:
-        if request.blocks is not None:
+        if spec is not None:
             try:
-                return BlockSet.parse(request.blocks, n_layer)
+                return BlockSet.parse(spec, n_layer)
             except ValueError as error:
                 raise RequestError("blocks", str(error)) from None
         for name in ("skip", "keep", "overwrite"):
@@ -228,7 +233,7 @@ class Resolved:
 
 def resolve(request: PredictRequest, limits: ModelLimits) -> Resolved:
     """Tokenise the prompt and check the request against the model; RequestError names the field."""
-    block_set = resolve_block_set(request, limits.n_layer)
+    block_set = resolve_block_set(request, limits.n_layer, limits.default_blocks)
     if block_set.adaptive_check == "probe" and not limits.exit_probe:
         field = "blocks" if request.blocks is not None else "adaptive_check"
         raise RequestError(field, "check=probe needs an exit probe (lab.exit_probe); this model has none")

@@ -7,6 +7,7 @@
     blocklab traffic --rates 1 2 4 8 --slo ttft_ms=200 tpot_ms=50      # open loop: Poisson arrivals
     blocklab traffic --rate 4 --mix                                    # every block set in one stream
     blocklab traffic --prompts my_prompts.jsonl --block-sets all skip=5 exit=9 --duration 60 --json
+    blocklab traffic --serve builtin --block-sets-from runs/plan/plan.json   # a plan's frontier, served
 
 The same prompts (a text file with one prompt per line, a JSONL file with a ``prompt`` per line, or
 by default paragraphs of the Python docs bundled with Python, ``pydoc_data.topics``) are sent as
@@ -541,6 +542,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="block set specs (default: adapted to the model's depth)",
     )
+    add(
+        "--block-sets-from",
+        type=Path,
+        default=None,
+        help="a `blocklab plan` JSON: replay its frontier (with all), so its estimates meet served requests",
+    )
     add("--mix", action="store_true", help="interleave the block sets in one stream of requests")
     add("--concurrency", type=int, default=4, help="closed loop: clients sending at once")
     add("--rate", type=float, default=None, help="open loop: requests per second (Poisson arrivals)")
@@ -647,6 +654,11 @@ def main(argv: list[str]) -> int:
         slo = parse_slo(args.slo)
     except ValueError as error:
         raise SystemExit(f"blocklab traffic: {error}") from None
+    if args.block_sets_from is not None:
+        if args.block_sets:
+            raise SystemExit("blocklab traffic: give --block-sets or --block-sets-from, not both")
+        frontier = json.loads(args.block_sets_from.read_text())["frontier"]
+        args.block_sets = list(dict.fromkeys(["all", *(point["block_set"] for point in frontier)]))
     if args.serve is None:
         summaries, meta = asyncio.run(_run(args, slo))
     else:
