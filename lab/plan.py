@@ -28,7 +28,6 @@ import argparse
 import ipaddress
 import json
 import math
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -40,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.blocks import BlockSet
+from lab.errors import UserError
 from lab.generate import generate, score
 from lab.hooks import capture
 from lab.model import GPT
@@ -78,7 +78,7 @@ def read_windows(
     from lab.analysis.common import held_out_source
 
     if model.config.vocab_size < tokens.VOCAB_SIZE:
-        raise ValueError(
+        raise UserError(
             f"the text is GPT-2 tokens and this model's vocabulary has {model.config.vocab_size} rows"
         )
     window = min(window, model.config.block_size)
@@ -92,7 +92,7 @@ def read_windows(
             record = json.loads(line) if line.strip() else ""
             text = record.get("prompt") if isinstance(record, dict) else record
             if not isinstance(text, str):
-                raise ValueError(f"{prompts}:{number}: expected a string or an object with a prompt field")
+                raise UserError(f"{prompts}:{number}: expected a string or an object with a prompt field")
             texts.append(text)
     else:
         texts, source = [prompts.read_text(encoding="utf-8")], str(prompts)
@@ -106,9 +106,9 @@ def read_windows(
         if total >= max_tokens:
             break
     if total == 0:
-        raise ValueError(f"{source}: no text in it")
+        raise UserError(f"{source}: no text in it")
     if len(windows) < 2:
-        raise ValueError(
+        raise UserError(
             f"{source}: {total} tokens to predict in {len(windows)} window(s); a plan needs at least two "
             "windows (one to choose on, one to measure on)"
         )
@@ -336,7 +336,7 @@ def check_loopback(url: str) -> None:
     except ValueError:
         loopback = False
     if not loopback:
-        raise ValueError(f"--url: {host or url!r} is not a loopback address")
+        raise UserError(f"--url: {host or url!r} is not a loopback address")
 
 
 def served_ms(
@@ -352,7 +352,7 @@ def served_ms(
         with httpx.Client(base_url=url, timeout=httpx.Timeout(300.0, connect=10.0)) as client:
             depth = client.get("/info").raise_for_status().json()["model"]["depth"]
             if depth != model.config.n_layer:
-                raise ValueError(
+                raise UserError(
                     f"--url: the server's model has {depth} blocks, --model's {model.config.n_layer}"
                 )
             for measured, block_set in schedule(block_sets, rounds):
@@ -360,12 +360,12 @@ def served_ms(
                         "score": True, "seed": 0}  # fmt: skip
                 response = client.post("/predict", json=body)
                 if response.status_code != 200:
-                    raise ValueError(f"--url: {response.status_code} for {block_set}: {response.text[:200]}")
+                    raise UserError(f"--url: {response.status_code} for {block_set}: {response.text[:200]}")
                 per_token = response.json()["timings"]["per_token_ms"]
                 if measured and per_token is not None:
                     times[str(block_set)].append(per_token)
     except httpx.HTTPError as error:
-        raise ValueError(f"--url: {url}: {error}") from None
+        raise UserError(f"--url: {url}: {error}") from None
     return {spec: min(values) for spec, values in times.items()}
 
 
@@ -411,7 +411,7 @@ def recommend(points: list[Point], max_loss_increase: float | None, budget_ms: f
         within = [p for p in points if p.ms_per_token <= budget_ms]
         if not within:
             fastest = min(points, key=lambda p: p.ms_per_token)
-            raise ValueError(
+            raise UserError(
                 f"no block set decodes within {budget_ms:g} ms/token; the fastest, {fastest.block_set}, "
                 f"takes {fastest.ms_per_token:.2f} ms/token (loss {fastest.loss_increase:+.4f})"
             )
@@ -419,7 +419,7 @@ def recommend(points: list[Point], max_loss_increase: float | None, budget_ms: f
     within = [p for p in points if p.loss_increase <= max_loss_increase]
     if not within:
         lowest = min(points, key=lambda p: p.loss_increase)
-        raise ValueError(
+        raise UserError(
             f"no block set stays within a loss increase of {max_loss_increase:g}; the least is "
             f"{lowest.block_set} at {lowest.loss_increase:+.4f}"
         )
@@ -439,9 +439,9 @@ def make_plan(
     ``latency`` (default: ``decode_ms`` after the first 16 evaluation tokens); the report as a dict."""
     L = model.config.n_layer
     if not 1 <= max_drop < L:
-        raise ValueError(f"--max-drop {max_drop}: the model has {L} blocks, so drop 1..{L - 1}")
+        raise UserError(f"--max-drop {max_drop}: the model has {L} blocks, so drop 1..{L - 1}")
     if max_loss_increase is not None and budget_ms is not None:
-        raise ValueError("give --max-loss-increase or --budget-ms-per-token, not both")
+        raise UserError("give --max-loss-increase or --budget-ms-per-token, not both")
     calibration, evaluation = split(windows)
     chosen, proxies = choose(model, LossMeter(model, calibration), max_drop)
     meter = LossMeter(model, evaluation)
@@ -609,12 +609,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    """``blocklab plan ...``; a user error (``UserError``, a missing file) is one line and status 2,
+    printed by ``lab.cli``."""
     args = _parser().parse_args(argv[1:])
-    try:
-        report = run(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"blocklab plan: {error}", file=sys.stderr)
-        return 2
+    report = run(args)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 
@@ -627,7 +625,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.tokens < 2 or args.window < 1:
-        raise ValueError(f"--tokens must be >= 2 and --window >= 1, got {args.tokens} and {args.window}")
+        raise UserError(f"--tokens must be >= 2 and --window >= 1, got {args.tokens} and {args.window}")
     if args.url is not None:
         check_loopback(args.url)
     model = load(args.model, args.dtype).eval()

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from lab import plan
+from lab import cli, plan
 from lab.blocks import BlockSet
 from lab.config import GPT2_VOCAB_SIZE, GPTConfig
 from lab.exit_probe import ExitProbe
@@ -182,7 +182,7 @@ def test_bad_input_one_line_and_status_2(model_dir, tmp_path, capsys, extra, mes
     empty.write_text("")
     extra = [str(empty) if arg == "EMPTY" else arg for arg in extra]
     argv = ["plan", "--model", model_dir, "--tokens", "64", "--max-drop", "1", "--out", str(tmp_path)]
-    assert plan.main([*argv, *extra]) == 2
+    assert cli.main([*argv, *extra]) == 2  # the plan's errors are UserErrors, lab.cli's one line
     err = capsys.readouterr().err
     assert err.startswith("blocklab plan: ") and message in err and err.count("\n") == 1
 
@@ -225,7 +225,7 @@ def test_traffic_replays_a_plans_frontier(tmp_path, monkeypatch):
     plan_json.write_text(json.dumps({"frontier": [{"block_set": "exit=2"}, {"block_set": "all"}]}))
     seen = {}
 
-    async def fake_run(args):
+    async def fake_run(args, slo):
         seen["block_sets"] = args.block_sets
         raise SystemExit(0)
 
