@@ -27,6 +27,7 @@ from torchmetrics import MeanMetric
 from lab.config import GPTConfig
 from lab.data import CharDataModule, DataError
 from lab.errors import UserError
+from lab.gradients import block_grad_norms, block_weights, update_ratios
 from lab.model import GPT
 
 TINY = GPTConfig()  # the dataclass's defaults: a tiny valid model
@@ -70,6 +71,8 @@ class LitGPT(L.LightningModule):
         schedule: Literal["constant", "cosine"] = "constant",
         min_lr: float = 0.0,
         max_steps: int | None = None,
+        block_stats_first: int = 0,
+        block_stats_every: int = 0,
     ):
         """
         Args:
@@ -83,6 +86,10 @@ class LitGPT(L.LightningModule):
             schedule: After warmup, hold lr (constant) or follow a cosine down to min_lr (cosine).
             min_lr: Where the cosine ends.
             max_steps: Where the cosine ends; default: the trainer's max_steps.
+            block_stats_first: Log each block's gradient norm (grad_norm/blocks.{i}, and of its
+                mlp.c_proj.weight) and Adam's update-to-weight ratio (update_ratio/blocks.{i}) on each
+                of the first this many steps (0: none). They cost a copy of the blocks' weights a step.
+            block_stats_every: And on every this many steps after those (0: never).
         """
         super().__init__()
         self.save_hyperparameters()
@@ -93,6 +100,7 @@ class LitGPT(L.LightningModule):
         self.val_loss = MeanMetric()
         self.nonfinite_steps = 0
         self.grad_norm: torch.Tensor | None = None  # of the current step, before clipping
+        self.weights_before: list[list[torch.Tensor]] | None = None  # the blocks', on a block-stats step
         self.baselines: dict[str, float] = {}
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -133,7 +141,8 @@ class LitGPT(L.LightningModule):
         return loss
 
     def on_validation_epoch_end(self) -> None:
-        self.log("val/bpc", self.val_loss.compute() / math.log(2))
+        # val_loss has already gathered every rank's batches; sync_dist keeps Lightning from warning
+        self.log("val/bpc", self.val_loss.compute() / math.log(2), sync_dist=True)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         loss = self._step(batch, "train")
@@ -161,6 +170,25 @@ class LitGPT(L.LightningModule):
             optimizer.zero_grad(set_to_none=True)
             self.nonfinite_steps += 1
             self.log("train/nonfinite_steps", float(self.nonfinite_steps))
+            return
+        if self.block_stats_due():
+            for name, values in block_grad_norms(self.model).items():
+                suffix = "" if name == "blocks" else f".{name}"
+                for i, value in enumerate(values):
+                    self.log(f"grad_norm/blocks.{i}{suffix}", value)
+            self.weights_before = block_weights(self.model)
+
+    def block_stats_due(self) -> bool:
+        """Whether this optimiser step logs the per-block statistics (``block_stats_first``/``_every``)."""
+        step, hp = self.global_step, self.hparams
+        return step < hp.block_stats_first or bool(hp.block_stats_every and step % hp.block_stats_every == 0)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if self.weights_before is None:
+            return
+        for i, ratio in enumerate(update_ratios(self.model, self.weights_before)):
+            self.log(f"update_ratio/blocks.{i}", ratio)
+        self.weights_before = None
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None

@@ -13,6 +13,7 @@ import torch
 from lab import cli
 from lab.config import GPTConfig
 from lab.data import CharDataModule
+from lab.gradients import grad_norms_at_init
 from lab.train import STREAM_TRAINER_ARGS, LitGPT, learning_rate, main
 
 TINY_MODEL = ["--model.config.n_layer", "2", "--model.config.n_head", "2", "--model.config.n_embd", "16"]
@@ -289,3 +290,29 @@ def test_sigkill_mid_fit_then_resume_matches_an_uninterrupted_run(tmp_path, text
     for name, tensor in a["state_dict"].items():
         assert torch.isfinite(tensor).all()
         assert torch.equal(tensor, b["state_dict"][name]), name
+
+
+def test_block_stats_are_logged_on_the_first_steps_and_every_n(tmp_path, text_file):
+    lit = LitGPT(GPTConfig(n_layer=3, n_embd=16, block_size=16, vocab_size=64), block_stats_first=2,
+                 block_stats_every=3)  # fmt: skip
+    logged: list[tuple[int, str]] = []
+    log = lit.log
+    lit.log = lambda name, value, **kw: (logged.append((lit.global_step, name)), log(name, value, **kw))
+    trainer = tiny_trainer(tmp_path, 5)
+    trainer.fit(lit, tiny_data(text_file))
+    steps = sorted({step for step, name in logged if name == "grad_norm/blocks.0"})
+    assert steps == [0, 1, 3]
+    for i in range(3):
+        assert trainer.callback_metrics[f"grad_norm/blocks.{i}"] > 0
+        assert trainer.callback_metrics[f"grad_norm/blocks.{i}.mlp.c_proj"] > 0
+        assert 0 < trainer.callback_metrics[f"update_ratio/blocks.{i}"] < 1
+    assert lit.weights_before is None
+
+
+def test_grad_norms_at_init_give_one_float_per_block_and_leave_no_gradient():
+    model = LitGPT(GPTConfig(n_layer=3, n_embd=16, block_size=16, vocab_size=64)).model
+    batches = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(2)]
+    norms = grad_norms_at_init(model, batches)
+    assert set(norms) == {"blocks", "mlp.c_proj"}
+    assert all(len(v) == 3 and all(x > 0 for x in v) for v in norms.values())
+    assert all(p.grad is None for p in model.parameters())
