@@ -143,7 +143,7 @@ class LossRecorder(L.Callback):
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        loss = outputs["loss"].item() if outputs is not None else None
+        loss = None if outputs["skipped"] else outputs["loss"].item()
         self.losses.append(loss)
         step = len(self.losses)
         if step % self.every == 0:

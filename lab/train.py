@@ -101,6 +101,7 @@ class LitGPT(L.LightningModule):
         self.nonfinite_steps = 0
         self.grad_norm: torch.Tensor | None = None  # of the current step, before clipping
         self.weights_before: list[list[torch.Tensor]] | None = None  # the blocks', on a block-stats step
+        self.skip_update = False  # this step's loss was not finite: drop its gradients
         self.baselines: dict[str, float] = {}
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -123,7 +124,7 @@ class LitGPT(L.LightningModule):
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor | None:
         """Cross entropy of the batch, logged as ``{stage}/loss`` and ``{stage}/bpc``.
 
-        A non-finite training loss returns None instead (the step is skipped, nothing is logged).
+        A non-finite training loss on any rank returns None on every rank (nothing is logged).
         """
         x, y = batch  # [B, T] each
         logits = self.model(x)  # [B, T, V]
@@ -144,21 +145,32 @@ class LitGPT(L.LightningModule):
         # val_loss has already gathered every rank's batches; sync_dist keeps Lightning from warning
         self.log("val/bpc", self.val_loss.compute() / math.log(2), sync_dist=True)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict:
+        """The loss; ``skipped`` is True on a step whose loss was not finite (no update is made)."""
         loss = self._step(batch, "train")
-        if loss is None:
-            # Returning None skips backward and the update (Lightning's default would train on a NaN).
+        skipped = loss is None
+        if skipped:
+            # Skip the update (Lightning's default would train on a NaN). Returning None would skip
+            # backward, but Lightning refuses it under DDP (a rank that skips backward never joins the
+            # gradient all-reduce): every rank backpropagates a zero that reaches each parameter, and
+            # on_before_optimizer_step drops those gradients so AdamW leaves every parameter as it was.
+            loss = sum(p.sum() for p in self.parameters()) * 0.0
+            self.skip_update = True
             self.nonfinite_steps += 1
         self.log("train/nonfinite_steps", float(self.nonfinite_steps))
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         for name, nats in self.baselines.items():
             self.log(f"baseline/{name}", nats)
-        return loss
+        return {"loss": loss, "skipped": skipped}
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._step(batch, "val")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.skip_update:
+            optimizer.zero_grad(set_to_none=True)  # AdamW skips parameters without a gradient
+            self.skip_update, self.grad_norm = False, None
+            return
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None  # None: a skipped step
         if self.grad_norm is None:

@@ -316,3 +316,27 @@ def test_grad_norms_at_init_give_one_float_per_block_and_leave_no_gradient():
     assert set(norms) == {"blocks", "mlp.c_proj"}
     assert all(len(v) == 3 and all(x > 0 for x in v) for v in norms.values())
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_ddp_on_two_cpu_processes_splits_batches_agrees_on_skips_and_ends_equal(tmp_path, text_file):
+    script = Path(__file__).parent / "ddp_fit.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), text_file],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sync_dist" not in done.stderr  # epoch-level validation logs are synced across ranks
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert rank0["global_step"] == rank1["global_step"] == 5
+    assert len(rank0["batches"]) == len(rank1["batches"]) == 5
+    assert all(a != b for a, b in zip(rank0["batches"], rank1["batches"], strict=True))  # different batches
+    assert rank0["nonfinite_steps"] == rank1["nonfinite_steps"] == 1  # rank 1's NaN skipped on both
+    for name, weight in rank0["weights"].items():
+        assert torch.isfinite(weight).all()
+        assert torch.equal(weight, rank1["weights"][name]), name
+    assert rank0["val_loss"] == pytest.approx(rank1["val_loss"])
