@@ -157,3 +157,16 @@ def test_grid_runs_every_cell_and_a_rerun_skips_the_done_ones(tmp_path, monkeypa
     assert "done before, skipped" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         stall.main(["stall", "--grid", "betas=1,2"])
+
+
+@pytest.mark.slow
+def test_the_gpu_preset_starts_and_trains_on_the_cpu(tmp_path, capsys):
+    """No GPU here: the preset's structure (6 blocks, bf16-mixed, its optimiser) runs 3 steps, smaller."""
+    small = ["--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "4"]
+    args = ["stall", "--preset", "gpu", "--steps", "3", "--seeds", "1", "--variants", "post", *small]
+    assert stall.main([*args, "--json", "--out", str(tmp_path)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["preset"]["precision"] == "bf16-mixed" and summary["preset"]["n_layer"] == 6
+    (run,) = summary["runs"]
+    assert all(math.isfinite(loss) for loss in run["loss_at"].values())
+    assert len(summary["grad_norms_at_init"]["post"]) == 6
