@@ -191,6 +191,9 @@ def train_variant(
     recorder = LossRecorder(report)
     trainer = L.Trainer(
         **STREAM_TRAINER_ARGS,
+        # One device per run, whatever the machine has: DDP over several would multiply the batch and
+        # change the experiment (a multi-GPU machine runs variants side by side: docs/training.md).
+        devices=1,
         max_steps=preset.steps,
         val_check_interval=preset.steps,
         num_sanity_val_steps=0,
