@@ -10,15 +10,20 @@ A spec string names a block set on the command line, in the server and in the tr
     adaptive=0.9        per token, stop once the prediction is judged stable (see lab.generate)
     adaptive=0.9;min=4  ... never before 4 blocks
     adaptive=0.9;check=probe   ... judged by the model's learned exit probe (lab.exit_probe)
+    speculate=6         self-speculative decoding: blocks 0..5 draft, the rest verify; the output is
+                        the set's own (see lab.generate.Speculator)
+    speculate=6;k=3     ... drafting 3 tokens a round (default 4)
 
 The grammar, the same in every place, with the rules of the ``BlockSet`` fields:
 
     spec      'all', or parts joined by ';': key=value, each key at most once
     indices   skip, keep, overwrite: one or more block indices joined by ',', none twice
-    index     exit, min and each block index: ASCII digits only (no sign, '_' or other scripts' digits)
+    index     exit, min, speculate, k and each block index: ASCII digits only (no sign, '_' or other
+              scripts' digits)
     number    adaptive: ASCII digits with an optional fraction and exponent (0.9, .5, 1e-3)
     check     cosine | probe
-    together  skip or keep, not both; min and check only with adaptive; exit not with adaptive
+    together  skip or keep, not both; min and check only with adaptive; exit not with adaptive;
+              k only with speculate; speculate not with exit or adaptive
     spaces    ignored around parts, keys, values and indices (' skip = 3, 4 ; exit=9'), refused inside
 
 ``str(BlockSet)`` writes the canonical spec (sorted indices, no spaces, defaults left out), which
@@ -40,6 +45,8 @@ _FIELDS = {
     "adaptive": "adaptive_threshold",
     "min": "adaptive_min_blocks",
     "check": "adaptive_check",
+    "speculate": "speculate",
+    "k": "draft_tokens",
 }
 # [0-9], not \d and not int() alone: both also take other scripts' digits, and int() takes '+6' and '1_2'
 _INDEX = re.compile(r"[0-9]+")
@@ -60,7 +67,7 @@ def _parse_value(key: str, value: str, part: str) -> object:
                 raise ValueError(f"{part!r}: duplicated block index {int(item)} in {key}")
             indices.append(int(item))
         return tuple(indices)
-    if key in ("exit", "min"):
+    if key in ("exit", "min", "speculate", "k"):
         if not _INDEX.fullmatch(value):
             raise ValueError(f"{part!r}: {key} takes a whole number in ASCII digits, got {value!r}")
         return int(value)
@@ -88,6 +95,13 @@ class BlockSet:
     adaptive_check: str = "cosine"
     """What the threshold applies to: 'cosine' (state saturation, any model) or 'probe' (the
     probability of the model's exit probe, lab.exit_probe)."""
+    speculate: int | None = None
+    """Self-speculative decoding: the set's blocks below this one draft tokens (read out through
+    ln_f and the unembedding), the rest verify them in one pass. None: off. The tokens are the set's."""
+    draft_tokens: int = 4
+    """Tokens drafted per round when speculating."""
+
+    MAX_DRAFT_TOKENS = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "skip", frozenset(self.skip))
@@ -109,6 +123,14 @@ class BlockSet:
     @property
     def is_adaptive(self) -> bool:
         return self.adaptive_threshold is not None
+
+    @property
+    def is_speculative(self) -> bool:
+        return self.speculate is not None
+
+    def without_speculation(self) -> BlockSet:
+        """The set whose output speculation reproduces (what scoring under this set measures)."""
+        return BlockSet(skip=self.skip, overwrite=self.overwrite)
 
     def validate(self, n_layer: int) -> BlockSet:
         """Raise ValueError naming the field when this set does not fit a model of ``n_layer`` blocks."""
@@ -136,6 +158,19 @@ class BlockSet:
             raise ValueError("adaptive_check: needs adaptive=THRESHOLD")
         if self.adaptive_min_blocks != 1 and not self.is_adaptive:
             raise ValueError("adaptive_min_blocks: needs adaptive=THRESHOLD")
+        if self.is_speculative:
+            if self.exit_at is not None or self.is_adaptive:
+                raise ValueError("speculate: cannot be combined with exit or adaptive exit")
+            blocks = self.blocks_to_run(n_layer)
+            if not any(i < self.speculate for i in blocks) or not any(i >= self.speculate for i in blocks):
+                raise ValueError(
+                    f"speculate: the set needs blocks both below and from {self.speculate} "
+                    f"(drafting and verifying), in 1..{n_layer - 1}"
+                )
+        if not 1 <= self.draft_tokens <= self.MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens: must be in 1..{self.MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
+        if self.draft_tokens != 4 and not self.is_speculative:
+            raise ValueError("draft_tokens: needs speculate=BLOCK")
         return self
 
     def blocks_to_run(self, n_layer: int) -> list[int]:
@@ -173,6 +208,8 @@ class BlockSet:
         for key in ("min", "check"):
             if key in parts and "adaptive" not in parts:
                 raise ValueError(f"{parts[key]!r}: only with adaptive=THRESHOLD")
+        if "k" in parts and "speculate" not in parts:
+            raise ValueError(f"{parts['k']!r}: only with speculate=BLOCK")
         keep = values.pop("keep", None)
         fields = {_FIELDS[key]: value for key, value in values.items()}
         try:
@@ -198,4 +235,8 @@ class BlockSet:
                 parts.append(f"min={self.adaptive_min_blocks}")
             if self.adaptive_check != "cosine":
                 parts.append(f"check={self.adaptive_check}")
+        if self.is_speculative:
+            parts.append(f"speculate={self.speculate}")
+            if self.draft_tokens != 4:
+                parts.append(f"k={self.draft_tokens}")
         return ";".join(parts) or "all"

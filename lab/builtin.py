@@ -2,6 +2,7 @@
 
     blocklab builtin            # ~10 minutes on 2 CPU cores; then `--model builtin` works everywhere
     blocklab builtin --force    # train again
+    blocklab builtin --recipe early-exit   # the same with LayerSkip's recipe: `--model builtin-early-exit`
 
 GPT-2's own weights cannot be downloaded everywhere, so blocklab makes a GPT-2-shaped model of its own:
 the GPT-2 tokenizer, 12 blocks, narrower (width 128, 4 heads, context 256), trained with the Lightning
@@ -73,6 +74,21 @@ class Recipe:
     eval_batches: int = 4
     """Validation batches (of batch_size windows of block_size tokens) for the report."""
     seed: int = 1
+    layer_dropout: float = 0.0
+    """LayerSkip's layer dropout at the last block (``lab.train.LitGPT``); 0: off."""
+    early_exit_loss: float = 0.0
+    """LayerSkip's early-exit loss scale (``lab.train.LitGPT``); 0: off."""
+    early_exit_every: int = 1
+    """Its rotational curriculum: every this-many-th block's read-out trained per step."""
+
+
+RECIPES = {
+    "plain": {},
+    # LayerSkip's recipe at the builtin's size: one block's read-out in three trained per step keeps
+    # the extra unembeddings (the compact vocabulary's) to a third of the blocks
+    "early-exit": {"layer_dropout": 0.1, "early_exit_loss": 1.0, "early_exit_every": 3},
+}
+"""``blocklab builtin --recipe NAME``: the Recipe fields each one sets."""
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -215,10 +231,12 @@ def evaluate(model: GPT, compact: GPT, dm: TokenDataModule) -> dict:
         ]
         return float(torch.stack(losses).mean())
 
+    n_layer = model.config.n_layer
     return {
         "val_loss": val_loss / len(compact_batches),
         "unseen_token_mass": unseen_mass / len(compact_batches),
-        "val_loss_skip": [compact_loss(BlockSet(skip={i})) for i in range(model.config.n_layer)],
+        "val_loss_skip": [compact_loss(BlockSet(skip={i})) for i in range(n_layer)],
+        "val_loss_exit": [compact_loss(BlockSet(exit_at=e)) for e in range(1, n_layer)],
     }
 
 
@@ -305,7 +323,8 @@ def _create(recipe: Recipe, directory: Path) -> dict:
         cfg, muon_lr=recipe.muon_lr, train_seconds=train_seconds if recipe.max_steps is None else None,
         lr=recipe.lr, weight_decay=recipe.weight_decay,
         warmup_steps=max(max_steps // 10, 1), schedule="cosine", min_lr=recipe.lr * recipe.min_lr_fraction,
-        max_steps=max_steps,
+        max_steps=max_steps, layer_dropout=recipe.layer_dropout, early_exit_loss=recipe.early_exit_loss,
+        early_exit_every=recipe.early_exit_every,
     )  # fmt: skip
     lit.model.load_state_dict(initial)
     with tempfile.TemporaryDirectory() as scratch:
@@ -407,6 +426,10 @@ def format_report(report: dict) -> str:
     ]
     for i, skipped in enumerate(report["val_loss_skip"]):
         lines.append(f"  skip={i:<3d} {skipped:.3f}  (+{skipped - loss:.3f})")
+    if "val_loss_exit" in report:
+        lines.append("validation loss read out early:")
+        for exit_at, early in enumerate(report["val_loss_exit"], start=1):
+            lines.append(f"  exit={exit_at:<3d} {early:.3f}  (+{early - loss:.3f})")
     if loss >= report["baselines"]["bigram"]:
         # measured: 804 steps on 2 idle cores reach 2.71; 341 steps on a busy machine stayed at 3.31
         lines.append(
@@ -422,16 +445,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--force", action="store_true", help="train again even if the model exists")
     parser.add_argument("--minutes", type=float, default=Recipe.minutes, help="time budget of the command")
     parser.add_argument("--steps", type=int, default=None, help="optimiser steps (default: fit the budget)")
+    parser.add_argument(
+        "--recipe",
+        choices=list(RECIPES),
+        default="plain",
+        help="early-exit: LayerSkip's layer dropout and early-exit loss, saved as builtin-early-exit",
+    )
     args = parser.parse_args(argv[1:])
-    directory = builtin_dir()
+    name = "builtin" if args.recipe == "plain" else f"builtin-{args.recipe}"
+    directory = builtin_dir(name)
     if (directory / FORMAT_FILE).exists() and not args.force:
         report = read_metadata(directory)
         if load_exit_probe(directory) is None:  # made before the probe existed: fit it now
             recipe = report["recipe"]
-            probe = fit_probe(load_model("builtin"), stdlib_files(recipe["max_files"]), recipe["val_every"])
+            probe = fit_probe(load_model(name), stdlib_files(recipe["max_files"]), recipe["val_every"])
             save_exit_probe(probe, directory)
         print(f"{directory} exists (train again with --force)\n{format_report(report)}")
         return 0
-    report = create_builtin(Recipe(max_steps=args.steps, minutes=args.minutes), directory)
+    recipe = Recipe(max_steps=args.steps, minutes=args.minutes, **RECIPES[args.recipe])
+    report = create_builtin(recipe, directory)
     print(f"saved to {directory}\n{format_report(report)}")
     return 0

@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "score": ("lab.generate", "mean next-token loss of a text under a block set"),
     "serve": ("serve.app", "serve a model over HTTP with a block set chosen per request"),
     "traffic": ("serve.traffic", "send your traffic to a server under several block sets: latency vs loss"),
+    "tokenizer": (
+        "lab.tokens",
+        "write GPT-2's tokenizer as a Hugging Face directory (aiperf, lm-eval), offline",
+    ),
     # measurements
     "shapes": ("lab.analysis.shapes", "the six tensors of one Block, with shapes and parameters"),
     "params": ("lab.analysis.params", "parameters by component, with formulas"),

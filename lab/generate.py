@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from lab.blocks import BlockSet
 from lab.errors import UserError
 from lab.exit_probe import check_fits
-from lab.model import GPT, Block, KVCache, Linear
+from lab.model import GPT, Block, KVCache, Linear, extend_cache
 from lab.quantize import WEIGHT_DTYPES, load
 
 
@@ -87,7 +87,7 @@ def stability(read_now: torch.Tensor, read_before: torch.Tensor) -> torch.Tensor
 
 
 def exit_score(
-    model: GPT, block_set: BlockSet, block: int, read_now: torch.Tensor, read_before: torch.Tensor
+    model: GPT, block_set: BlockSet, block: int, read_now: torch.Tensor, read_before: torch.Tensor | None
 ) -> torch.Tensor:
     """What the adaptive threshold applies to after ``block``, per position [...]: the exit probe's
     probability (``check=probe``) or the cosine of consecutive reads. reads [..., D]."""
@@ -125,9 +125,7 @@ def propagate_kv(block: Block, x: torch.Tensor, cache: tuple[torch.Tensor, torch
     else:
         kv = c_attn(h)[..., D:]  # [B, T, 2D]
     k, v = kv.reshape(B, T, 2, H, Dh).permute(2, 0, 3, 1, 4)  # 2 x [B, H, T, Dh]
-    k_cache, v_cache = cache  # [B, H, T_max, Dh] each
-    k_cache[:, :, pos : pos + T] = k
-    v_cache[:, :, pos : pos + T] = v
+    extend_cache(cache, k, v, pos)
 
 
 class Decoder:
@@ -209,8 +207,8 @@ def decode_rows(
             continue
         checking = [b for b in rows if _checks_after(decoders[b], ran[b] + 1)]
         for b in checking:
-            if read_before[b] is None:
-                read_before[b] = model.ln_f(x[b : b + 1])  # [1, 1, D]
+            if read_before[b] is None and decoders[b].block_set.adaptive_check == "cosine":
+                read_before[b] = model.ln_f(x[b : b + 1])  # [1, 1, D]: only the cosine compares reads
         overwrite = [i in decoders[b].block_set.overwrite for b in rows]
         caches = [decoders[b].cache.layer(i) for b in rows]
         at = [positions[b] for b in rows]
@@ -244,18 +242,12 @@ def _checks_after(decoder: Decoder, ran: int) -> bool:
     return block_set.is_adaptive and block_set.adaptive_min_blocks <= ran < len(decoder.blocks)
 
 
-def pick_token(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    generator: torch.Generator,
-    top_p: float = 1.0,
-) -> int:
-    """Greedy when temperature is 0, else a sample from the softmax of logits [V] / temperature,
-    restricted to the ``top_k`` most likely and then to the smallest set whose probability reaches
-    ``top_p`` (nucleus sampling). The one sampler: ``generate`` and the server both draw with it."""
-    if temperature == 0.0:
-        return int(logits.argmax())
+def token_probabilities(
+    logits: torch.Tensor, temperature: float, top_k: int | None = None, top_p: float = 1.0
+) -> torch.Tensor:
+    """The distribution a token is drawn from at temperature > 0: the softmax of logits [V] /
+    temperature, restricted to the ``top_k`` most likely and then to the smallest set whose
+    probability reaches ``top_p`` (nucleus sampling). [V]."""
     logits = logits / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[-1]
@@ -266,7 +258,129 @@ def pick_token(
         before = sorted_probs.cumsum(-1) - sorted_probs  # [V] mass of the more likely tokens
         sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the most likely always stays
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)  # [V]
+        probs = probs / probs.sum()
+    return probs
+
+
+def pick_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator,
+    top_p: float = 1.0,
+) -> int:
+    """Greedy when temperature is 0, else a draw from ``token_probabilities``. logits [V]. The one
+    sampler: ``generate``, speculation and the server all draw with it."""
+    if temperature == 0.0:
+        return int(logits.argmax())
+    probs = token_probabilities(logits, temperature, top_k, top_p)  # [V]
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass
+class SpeculationStats:
+    """What self-speculative decoding did for one sequence."""
+
+    rounds: int = 0
+    """Verification passes."""
+    drafted: int = 0
+    accepted: int = 0
+    """Drafted tokens the full model agreed with."""
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+class Speculator:
+    """Self-speculative decoding of one sequence (LayerSkip, Elhoushi et al. 2024).
+
+    Each round the set's blocks below ``speculate`` draft up to ``draft_tokens`` tokens one at a
+    time, read out through ``ln_f`` and the unembedding; the remaining blocks then verify every
+    drafted position in one pass, continuing the draft's streams and keys and values (the first
+    blocks never run twice). Greedy: the drafts up to the first the full model disagrees with, then
+    the full model's token there (or after the last draft). Sampling: speculative sampling's rule
+    (accept a draft d with probability min(1, p(d)/q(d)), else draw from max(0, p - q) normalised),
+    so tokens are distributed as the full set's. The keys and values of rejected drafts are left
+    past the cache's length and overwritten later.
+    """
+
+    def __init__(self, model: GPT, block_set: BlockSet, max_len: int):
+        self.model = model
+        self.k = block_set.draft_tokens
+        self.decoder = Decoder(model, block_set.without_speculation(), max_len=max_len)
+        self.draft_blocks = [i for i in self.decoder.blocks if i < block_set.speculate]
+        self.verify_blocks = [i for i in self.decoder.blocks if i >= block_set.speculate]
+        self.overwrite = block_set.overwrite
+        self.stats = SpeculationStats()
+
+    def _through(self, blocks: list[int], x: torch.Tensor, pos: int) -> torch.Tensor:
+        """The stream x [1, T, D] at positions pos.. through ``blocks``, writing their keys and values."""
+        for i in blocks:
+            x = self.model.blocks[i](x, self.decoder.cache.layer(i), pos, overwrite=i in self.overwrite)
+        return x  # [1, T, D]
+
+    @torch.inference_mode()
+    def round(
+        self, last: int, wanted: int, temperature: float, top_k: int | None, top_p: float, generator
+    ) -> list[tuple[int, float]]:
+        """Feed ``last``; the next tokens (1 to ``wanted``, at most k + 1) and their log-probabilities
+        under the full set."""
+        model, decoder = self.model, self.decoder
+        start = decoder.position
+        k = min(self.k, wanted - 1, decoder.cache.max_len - start - 1)
+        if k <= 0:  # no room to draft: one plain step
+            logits, _ = decoder.step(last)
+            logits = logits.float()
+            token = pick_token(logits, temperature, top_k, generator, top_p)
+            return [(token, float(logits[token] - torch.logsumexp(logits, dim=-1)))]
+        device = model.wte.weight.device
+        streams, drafts, draft_probs = [], [], []
+        token = last
+        for j in range(k + 1):  # the last draft is fed too: verification reads the full model after it
+            x = model.embed_tokens(torch.tensor([[token]], device=device), start + j)  # [1, 1, D]
+            streams.append(self._through(self.draft_blocks, x, start + j))
+            if j == k:
+                break
+            logits = model.unembed(streams[-1])[0, -1].float()  # [V]: the draft's read-out
+            if temperature == 0.0:
+                token = int(logits.argmax())
+            else:
+                draft_probs.append(token_probabilities(logits, temperature, top_k, top_p))
+                token = int(torch.multinomial(draft_probs[-1], 1, generator=generator))
+            drafts.append(token)
+        x = self._through(self.verify_blocks, torch.cat(streams, dim=1), start)  # [1, k+1, D]
+        target = model.unembed(x)[0].float()  # [k+1, V]: the full set's logits after each input
+        logprobs = torch.log_softmax(target, dim=-1)  # [k+1, V]
+        out = []
+        for j, draft in enumerate(drafts):
+            if temperature == 0.0:
+                agreed = int(target[j].argmax()) == draft
+            else:
+                p = token_probabilities(target[j], temperature, top_k, top_p)
+                q = draft_probs[j]
+                u = float(torch.rand((), generator=generator, device=device))
+                agreed = u * float(q[draft]) < float(p[draft])  # u < p/q, without dividing by 0
+            if agreed:
+                out.append((draft, float(logprobs[j, draft])))
+                continue
+            if temperature == 0.0:
+                token = int(target[j].argmax())
+            else:
+                residual = (p - q).clamp(min=0.0)
+                total = float(residual.sum())
+                residual = residual / total if total > 0 else p
+                token = int(torch.multinomial(residual, 1, generator=generator))
+            out.append((token, float(logprobs[j, token])))
+            break
+        else:  # every draft agreed: the full model's next token comes free
+            token = pick_token(target[k], temperature, top_k, generator, top_p)
+            out.append((token, float(logprobs[k, token])))
+        self.stats.rounds += 1
+        self.stats.drafted += k
+        self.stats.accepted += len(out) - 1
+        decoder.cache.length = start + len(out)  # the inputs kept: last and the accepted drafts
+        return out
 
 
 def generate(
@@ -280,11 +394,13 @@ def generate(
     seed: int | None = None,
     stop_token: int | None = None,
     block_set: BlockSet | None = None,
+    speculation: SpeculationStats | None = None,
 ) -> Iterator[Step]:
     """Yield tokens one at a time after ``prompt``; stop at ``stop_token``, max_new_tokens or the context.
 
     ``temperature`` 0 is greedy; otherwise sampling (``pick_token``), drawn
-    from a generator seeded with ``seed`` (None: a fresh random seed).
+    from a generator seeded with ``seed`` (None: a fresh random seed). Under a speculating block set
+    (``Speculator``) tokens come a round at a time, counted in ``speculation`` when given.
     """
     cfg = model.config
     if temperature < 0:
@@ -301,28 +417,44 @@ def generate(
     budget = min(max_new_tokens, room)
     if budget <= 0:
         return
-    decoder = Decoder(model, block_set, max_len=len(prompt) + budget)
+    block_set = (block_set or BlockSet()).validate(cfg.n_layer)
+    speculator = None
+    if block_set.is_speculative:
+        speculator = Speculator(model, block_set, max_len=len(prompt) + budget)
+        if speculation is not None:
+            speculator.stats = speculation
+        decoder = speculator.decoder
+    else:
+        decoder = Decoder(model, block_set, max_len=len(prompt) + budget)
     generator = torch.Generator(device=model.wte.weight.device)
     if seed is None:
         generator.seed()
     else:
         generator.manual_seed(seed)
-    logits = decoder.prefill(prompt)
-    blocks_run = decoder.blocks
-    for produced in range(1, budget + 1):
-        logits = logits.float()
-        token = pick_token(logits, temperature, top_k, generator, top_p)
-        logprob = float(logits[token] - torch.logsumexp(logits, dim=-1))
-        if token == stop_token:
-            reason = "stop_token"
-        elif produced == budget:
-            reason = "max_new_tokens" if produced == max_new_tokens else "context_length"
+    logits = decoder.prefill(prompt).float()
+    token = pick_token(logits, temperature, top_k, generator, top_p)
+    ready = [(token, float(logits[token] - torch.logsumexp(logits, dim=-1)), decoder.blocks)]
+    produced = 0
+    while True:
+        for token, logprob, blocks_run in ready:
+            produced += 1
+            if token == stop_token:
+                reason = "stop_token"
+            elif produced == budget:
+                reason = "max_new_tokens" if produced == max_new_tokens else "context_length"
+            else:
+                reason = None
+            yield Step(token=token, blocks_run=blocks_run, logprob=logprob, finish_reason=reason)
+            if reason is not None:
+                return
+        if speculator is not None:
+            tokens_ = speculator.round(token, budget - produced, temperature, top_k, top_p, generator)
+            ready = [(next_token, logprob, decoder.blocks) for next_token, logprob in tokens_]
         else:
-            reason = None
-        yield Step(token=token, blocks_run=blocks_run, logprob=logprob, finish_reason=reason)
-        if reason is not None:
-            return
-        logits, blocks_run = decoder.step(token)
+            logits, blocks_run = decoder.step(token)
+            logits = logits.float()
+            token = pick_token(logits, temperature, top_k, generator, top_p)
+            ready = [(token, float(logits[token] - torch.logsumexp(logits, dim=-1)), blocks_run)]
 
 
 @torch.inference_mode()
@@ -348,8 +480,8 @@ def adaptive_forward(
     read_before = None
     for ran, i in enumerate(blocks, start=1):
         checking = block_set.adaptive_min_blocks <= ran < len(blocks)
-        if checking and read_before is None:
-            read_before = model.ln_f(x)  # [1, T, D]
+        if checking and read_before is None and block_set.adaptive_check == "cosine":
+            read_before = model.ln_f(x)  # [1, T, D]: only the cosine compares reads
         out = model.blocks[i](x, overwrite=i in block_set.overwrite)  # [1, T, D]
         x = torch.where(active[None, :, None], out, x)  # exited positions keep their exit state
         depth += active.cpu()
@@ -425,11 +557,12 @@ def _run_generate(model: GPT, block_set: BlockSet, args: argparse.Namespace, tex
     prompt = tokens.encode(text, allow_endoftext=True)
     steps: list[Step] = []
     times: list[float] = [time.perf_counter()]  # start, then the moment each token was ready
+    speculation = SpeculationStats()
 
     def generated_tokens() -> Iterator[int]:
         stream = generate(
             model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-            seed=args.seed, stop_token=tokens.EOT, block_set=block_set,
+            seed=args.seed, stop_token=tokens.EOT, block_set=block_set, speculation=speculation,
         )  # fmt: skip
         for step in stream:
             times.append(time.perf_counter())
@@ -451,6 +584,9 @@ def _run_generate(model: GPT, block_set: BlockSet, args: argparse.Namespace, tex
         "finish_reason": steps[-1].finish_reason if steps else "context_length",
         "first_token_ms": (times[1] - times[0]) * 1e3 if steps else float("nan"),
         "decode_ms_per_token": decode_ms,
+        "speculation": {**asdict(speculation), "acceptance_rate": speculation.acceptance_rate}
+        if block_set.is_speculative
+        else None,
     }
 
 
@@ -485,13 +621,15 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--blocks: {error}") from None
     if command == "generate":
         result = _run_generate(model, block_set, args, text)
+        speculation = result["speculation"]
+        accepted = f", drafts accepted {speculation['acceptance_rate']:.0%}" if speculation else ""
         if args.json:
             print(json.dumps(result))
         else:
             print(
                 f"\n[{len(result['tokens'])} tokens, {result['mean_blocks']:.2f} of {model.config.n_layer} "
                 f"blocks/token, {result['decode_ms_per_token']:.1f} ms/token, "
-                f"stopped: {result['finish_reason']}]",
+                f"stopped: {result['finish_reason']}{accepted}]",
                 file=sys.stderr,
             )
         return 0

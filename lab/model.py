@@ -109,6 +109,18 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
     return nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
 
 
+def extend_cache(
+    cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, pos: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write keys and values k, v [B, H, T, Dh] at positions pos.. of one block's cache ([B, H, T_max,
+    Dh] each); the keys and values of positions 0..pos+T-1, [B, H, S, Dh] each (views)."""
+    k_cache, v_cache = cache
+    T = k.size(2)
+    k_cache[:, :, pos : pos + T] = k
+    v_cache[:, :, pos : pos + T] = v
+    return k_cache[:, :, : pos + T], v_cache[:, :, : pos + T]
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: the only stage that mixes positions."""
 
@@ -152,10 +164,7 @@ class CausalSelfAttention(nn.Module):
             y = torch.cat(rows)  # [B, H, T, Dh]
             return self.resid_dropout(self.c_proj(self.z(y.transpose(1, 2).reshape(B, T, D))))  # [B, T, D]
         if cache is not None:
-            k_cache, v_cache = cache  # [B, H, T_max, Dh] each
-            k_cache[:, :, pos : pos + T] = k
-            v_cache[:, :, pos : pos + T] = v
-            k, v = k_cache[:, :, : pos + T], v_cache[:, :, : pos + T]  # [B, H, S, Dh], S = pos + T
+            k, v = extend_cache(cache, k, v, pos)  # [B, H, S, Dh], S = pos + T
         S = k.size(2)
         dropout = self.dropout if self.training else 0.0
 
@@ -189,10 +198,7 @@ class CausalSelfAttention(nn.Module):
         The same call whatever other rows share the step, so a row's values never depend on them.
         """
         T = q.size(2)
-        k_cache, v_cache = cache  # [1, H, T_max, Dh] each
-        k_cache[:, :, pos : pos + T] = k
-        v_cache[:, :, pos : pos + T] = v
-        k, v = k_cache[:, :, : pos + T], v_cache[:, :, : pos + T]  # [1, H, S, Dh]
+        k, v = extend_cache(cache, k, v, pos)  # [1, H, S, Dh], S = pos + T
         if T == 1:
             return F.scaled_dot_product_attention(q, k, v)  # [1, H, 1, Dh]: the newest token sees all
         allowed = torch.ones(T, pos + T, dtype=torch.bool, device=q.device).tril(diagonal=pos)  # [T, S]
@@ -420,12 +426,16 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         block_set: BlockSet | None = None,
         padding: torch.Tensor | None = None,
+        layer_keep: torch.Tensor | None = None,
+        taps: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The stream [B, T, D] leaving the set's blocks for tokens idx [B, T]: forward without the read-out.
 
         Callers that need only some positions' logits (the last one, when decoding) unembed just those.
         ``padding`` [B]: rows of different lengths, left-padded (see ``padding_mask``); pass the same
-        padding with every later call on the same cache.
+        padding with every later call on the same cache. Training (LayerSkip's recipe, ``lab.train``):
+        ``layer_keep`` [L, B] says per block which rows run it (the others' streams pass through:
+        layer dropout), and ``taps`` receives the stream after each block run, by block index.
         """
         block_set = block_set or BlockSet()
         if block_set.is_adaptive:
@@ -437,7 +447,10 @@ class GPT(nn.Module):
         mask = None if padding is None else padding_mask(padding, pos, idx.size(1))  # [B, 1, T, S]
         for i in block_set.blocks_to_run(len(self.blocks)):
             layer_cache = cache.layer(i) if cache is not None else None
-            x = self.blocks[i](x, layer_cache, pos, overwrite=i in block_set.overwrite, mask=mask)
+            out = self.blocks[i](x, layer_cache, pos, overwrite=i in block_set.overwrite, mask=mask)
+            x = out if layer_keep is None else torch.where(layer_keep[i][:, None, None], out, x)  # [B, T, D]
+            if taps is not None:
+                taps[i] = x
         if cache is not None:
             cache.length = pos + idx.size(1)
         return x  # [B, T, D]

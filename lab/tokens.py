@@ -7,14 +7,20 @@
 The file ``lab/assets/gpt2.tiktoken`` is tiktoken's ``r50k_base`` ranks, the same 50256 merges as
 ``tiktoken.get_encoding("gpt2")``; its sha256 is checked on load so a damaged copy fails loudly
 instead of tokenising differently.
+
+Tools that take a Hugging Face tokenizer (aiperf, lm-eval) get one derived offline from the same
+ranks: ``blocklab tokenizer --out DIR`` (``write_hf_tokenizer``).
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import codecs
 import functools
 import hashlib
+import itertools
+import json
 from collections.abc import Iterable, Iterator
 from importlib import resources
 from pathlib import Path
@@ -92,3 +98,82 @@ def text_pieces(ids: Iterable[int]) -> Iterator[str]:
     tail = decoder.decode(b"", final=True)
     if tail:
         yield tail
+
+
+# --------------------------------------------------------------------------------------------------
+# A Hugging Face tokenizer directory, derived from the ranks
+
+
+@functools.cache
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte, which Hugging Face's vocab.json and merges.txt use:
+    printable Latin-1 bytes stand for themselves, the others for code points from 256 up."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    extra = (byte for byte in range(256) if byte not in printable)
+    mapping = {byte: chr(byte) for byte in printable}
+    mapping.update({byte: chr(256 + n) for n, byte in enumerate(extra)})
+    return mapping
+
+
+def _parts(ranks: dict[bytes, int], token: bytes) -> list[bytes]:
+    """``token`` split as byte-pair merging builds it from merges of lower rank than its own: the
+    lowest-ranked adjacent pair merges first, until only merges at or above the token's rank are left."""
+    limit = ranks[token]
+    parts = [bytes([byte]) for byte in token]
+    while len(parts) > 1:
+        found = [(ranks.get(a + b, limit), i) for i, (a, b) in enumerate(itertools.pairwise(parts))]
+        rank, i = min(found)
+        if rank >= limit:
+            break
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def write_hf_tokenizer(directory: str | Path) -> Path:
+    """Write GPT-2's tokenizer as Hugging Face reads it (vocab.json, merges.txt, tokenizer_config.json,
+    config.json) into ``directory``, from the packaged ranks: no download. Returns the directory."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    ranks = encoding()._mergeable_ranks  # tiktoken keeps the ranks it was built from only here
+    show = byte_to_unicode()
+
+    def text(piece: bytes) -> str:
+        return "".join(show[byte] for byte in piece)
+
+    vocab = {text(token): rank for token, rank in ranks.items()}
+    vocab[ENDOFTEXT] = EOT
+    merges = []
+    for token, _ in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            parts = _parts(ranks, token)
+            if len(parts) != 2:
+                raise ValueError(f"rank {ranks[token]}: {token!r} is not one merge of two tokens ({parts})")
+            merges.append(f"{text(parts[0])} {text(parts[1])}")
+    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    special = {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "unk_token": ENDOFTEXT}
+    config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "model_max_length": 1024,
+        "add_prefix_space": False,
+        **special,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    (out / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """``blocklab tokenizer --out DIR``."""
+    parser = argparse.ArgumentParser(
+        prog="blocklab tokenizer",
+        description="Write GPT-2's tokenizer as a Hugging Face directory (for aiperf, lm-eval), offline.",
+    )
+    parser.add_argument("--out", required=True, help="directory to write vocab.json, merges.txt, ... into")
+    args = parser.parse_args(argv[1:])
+    print(write_hf_tokenizer(args.out))
+    return 0

@@ -73,6 +73,10 @@ class LitGPT(L.LightningModule):
         max_steps: int | None = None,
         block_stats_first: int = 0,
         block_stats_every: int = 0,
+        layer_dropout: float = 0.0,
+        layer_dropout_curriculum: Literal["constant", "exponential"] = "constant",
+        early_exit_loss: float = 0.0,
+        early_exit_every: int = 1,
     ):
         """
         Args:
@@ -90,6 +94,17 @@ class LitGPT(L.LightningModule):
                 mlp.c_proj.weight) and Adam's update-to-weight ratio (update_ratio/blocks.{i}) on each
                 of the first this many steps (0: none). They cost a copy of the blocks' weights a step.
             block_stats_every: And on every this many steps after those (0: never).
+            layer_dropout: LayerSkip's layer dropout, the rate of the last block: block l of L is
+                skipped (its stream passes through) per sequence with probability
+                layer_dropout * (2^(l/(L-1)) - 1), none for the first, rising with depth (0: off).
+            layer_dropout_curriculum: constant, or exponential: the rates grow over training by
+                2^(step/max_steps) - 1, from none to full.
+            early_exit_loss: LayerSkip's early-exit loss: every block's read-out (ln_f and the tied
+                unembedding) also learns the next token, block l weighted early_exit_loss * (l+1)
+                against the last block's L, normalised (0: off). Logged as
+                train/exit_loss/blocks.{l} and, per validation, val/exit_loss/blocks.{l}.
+            early_exit_every: The rotational curriculum: each step only every this-many-th block's
+                read-out is trained, rotating with the step, to keep the cost down (1: all).
         """
         super().__init__()
         self.save_hyperparameters()
@@ -103,6 +118,12 @@ class LitGPT(L.LightningModule):
         self.weights_before: list[list[torch.Tensor]] | None = None  # the blocks', on a block-stats step
         self.skip_update = False  # this step's loss was not finite: drop its gradients
         self.baselines: dict[str, float] = {}
+        if not 0.0 <= layer_dropout < 1.0 or early_exit_loss < 0.0 or early_exit_every < 1:
+            raise UserError(
+                f"layer_dropout must be in [0, 1), early_exit_loss >= 0 and early_exit_every >= 1; "
+                f"got {layer_dropout}, {early_exit_loss}, {early_exit_every}"
+            )
+        self.val_exit_loss = torch.nn.ModuleList(MeanMetric() for _ in range(self.config.n_layer))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)  # [B, T, V]
@@ -127,8 +148,13 @@ class LitGPT(L.LightningModule):
         A non-finite training loss on any rank returns None on every rank (nothing is logged).
         """
         x, y = batch  # [B, T] each
-        logits = self.model(x)  # [B, T, V]
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())  # mean over B*T tokens
+        hp = self.hparams
+        recipe = hp.layer_dropout > 0 or hp.early_exit_loss > 0
+        if not recipe:
+            logits = self.model(x)  # [B, T, V]
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())  # mean over B*T tokens
+        else:
+            loss = self._layerskip_loss(x, y, stage)
         if stage == "train":
             # Every rank must agree to skip, or DDP would wait forever for a skipping rank's gradients.
             if not self.trainer.strategy.reduce_boolean_decision(bool(torch.isfinite(loss)), all=True):
@@ -141,9 +167,58 @@ class LitGPT(L.LightningModule):
             self.log(f"{stage}/loss", self.val_loss, prog_bar=True)
         return loss
 
+    def layer_dropout_rates(self, step: int) -> torch.Tensor:
+        """Per block, the probability a sequence skips it at optimiser step ``step``. [L]."""
+        hp, L = self.hparams, self.config.n_layer
+        depth = torch.arange(L, dtype=torch.float32) / max(1, L - 1)  # 0 .. 1
+        rates = hp.layer_dropout * (torch.pow(2.0, depth) - 1.0)  # [L]
+        if hp.layer_dropout_curriculum == "exponential":
+            total = hp.max_steps or self.trainer.max_steps
+            rates = rates * (2.0 ** min(step / max(1, total), 1.0) - 1.0)
+        return rates
+
+    def _layerskip_loss(self, x: torch.Tensor, y: torch.Tensor, stage: str) -> torch.Tensor:
+        """The last block's loss, mixed with the early-exit losses of this step's blocks; in training
+        under layer dropout. Logs each block's exit loss."""
+        hp, L = self.hparams, self.config.n_layer
+        B = x.size(0)
+        training = stage == "train"
+        keep = None
+        if training and hp.layer_dropout > 0:
+            rates = self.layer_dropout_rates(self.global_step).to(x.device)  # [L]
+            keep = torch.rand(L, B, device=x.device) >= rates[:, None]  # [L, B]
+        taps: dict[int, torch.Tensor] = {}
+        stream = self.model.residual_stream(x, layer_keep=keep, taps=taps)  # [B, T, D]
+        last = F.cross_entropy(self.model.unembed(stream).flatten(0, 1).float(), y.flatten())
+        if hp.early_exit_loss == 0:
+            return last
+        if training:
+            blocks = [i for i in range(L - 1) if (i + self.global_step) % hp.early_exit_every == 0]
+        else:
+            blocks = list(range(L - 1))
+        total, weight = L * last, float(L)
+        for i in blocks:
+            logits = self.model.unembed(taps[i])  # [B, T, V]: the read-out after block i
+            exit_loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            scale = hp.early_exit_loss * (i + 1)
+            total, weight = total + scale * exit_loss, weight + scale
+            if training:
+                self.log(f"train/exit_loss/blocks.{i}", exit_loss)
+            else:
+                self.val_exit_loss[i].update(exit_loss)
+        if not training:
+            self.val_exit_loss[L - 1].update(last)
+            return last  # validation reports the model's own loss
+        self.log(f"train/exit_loss/blocks.{L - 1}", last)  # train/loss is the mixed objective
+        return total / weight
+
     def on_validation_epoch_end(self) -> None:
-        # val_loss has already gathered every rank's batches; sync_dist keeps Lightning from warning
+        # The metrics have already gathered every rank's batches; sync_dist keeps Lightning from warning
         self.log("val/bpc", self.val_loss.compute() / math.log(2), sync_dist=True)
+        if self.hparams.early_exit_loss > 0:
+            for i, metric in enumerate(self.val_exit_loss):
+                self.log(f"val/exit_loss/blocks.{i}", metric.compute(), sync_dist=True)
+                metric.reset()
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict:
         """The loss; ``skipped`` is True on a step whose loss was not finite (no update is made)."""

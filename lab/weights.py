@@ -42,9 +42,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("BLOCKLAB_CACHE") or Path.home() / ".cache" / "blocklab")
 
 
-def builtin_dir() -> Path:
-    """The directory of the embedded ``builtin`` model."""
-    return cache_root() / "builtin"
+BUILTIN_MODELS = ("builtin", "builtin-early-exit")
+"""The models ``blocklab builtin`` makes (``--recipe early-exit``: the second), each in its directory."""
+
+
+def builtin_dir(name: str = "builtin") -> Path:
+    """The directory of an embedded model (``BUILTIN_MODELS``)."""
+    return cache_root() / name
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -300,11 +304,12 @@ def locate(spec: str) -> Path | None:
     when there is none, so a server can check its model before it starts workers."""
     if spec == "gpt2-random":
         return None
-    if spec == "builtin":
-        directory = builtin_dir()
+    if spec in BUILTIN_MODELS:
+        directory = builtin_dir(spec)
         if not (directory / FORMAT_FILE).exists():
+            command = "blocklab builtin" + (" --recipe early-exit" if spec != "builtin" else "")
             raise FileNotFoundError(
-                f"the builtin model is not created yet ({directory} is empty): run `blocklab builtin` "
+                f"the {spec} model is not created yet ({directory} is empty): run `{command}` "
                 "once (about 10 minutes on 2 CPU cores), or set BLOCKLAB_CACHE to where it lives"
             )
         return directory

@@ -203,6 +203,10 @@ class BlockLabAPI(ls.LitAPI):
             submitted_at=submitted_at,
             cancelled=cancelled,
             deadline=deadline,
+            top_p=request.top_p,
+            min_tokens=request.min_tokens,
+            ignore_eos=request.ignore_eos,
+            stop=tuple(request.stop or ()),
         )
 
     def predict(self, jobs: list[Job | Rejection]) -> Iterator[list[tuple[int, dict]]]:
@@ -276,8 +280,12 @@ class ContinuousLoop(SeamLoop):
             job = Rejection(500, f"{type(error).__name__}: {error}")
         if isinstance(job, Rejection):
             self._send(transport, routes, uid, error_event(job.status, job.message))
-        else:
+            return True
+        try:
             lit_api.engine.add(uid, job)
+        except Exception as error:  # a job the engine cannot hold fails alone, the loop goes on
+            logger.exception("engine.add failed")
+            self._send(transport, routes, uid, error_event(500, f"{type(error).__name__}: {error}"))
         return True
 
     def _send(self, transport, routes: dict[str, int], uid: str, event: dict) -> None:

@@ -19,6 +19,7 @@ workers and LitServe's manager are stopped: no process is left behind.
 """
 
 import argparse
+import functools
 import ipaddress
 import logging
 import os
@@ -38,6 +39,7 @@ from lab.quantize import WEIGHT_DTYPES
 from lab.weights import locate
 from serve import gateway, openai_compat
 from serve.api import BlockLabAPI, ModelFactory, SharedState, WeightsLoader
+from serve.connections import ReadDeadlineH11Protocol
 from serve.litserve_seam import SeamServer
 from serve.schema import PredictResponse
 
@@ -90,6 +92,15 @@ class ServeConfig:
     """Largest request body; larger gets 413."""
     drain_timeout: float = 30.0
     """On SIGTERM/SIGINT, seconds to let requests in flight finish before they are cut."""
+    read_timeout: float = 30.0
+    """Seconds from a request's first byte for its headers and whole body to arrive; then the
+    connection is closed (serve.connections: slow or stalled clients)."""
+    keep_alive_timeout: float = 5.0
+    """Seconds a connection may sit idle, new or between requests, before it is closed."""
+    max_connections: int = 1024
+    """Open connections past which a request gets 503 (uvicorn's limit_concurrency)."""
+    backlog: int = 2048
+    """Connections the kernel queues before the server accepts them."""
     log_level: str = "info"
 
 
@@ -240,9 +251,13 @@ def serve(config: ServeConfig, model_factory: ModelFactory | None = None) -> Non
                 log_level=config.log_level,
                 timeout_graceful_shutdown=config.drain_timeout,
                 # h11, not httptools: httptools takes headers of any size (20 MB were accepted), h11
-                # answers 400 once the request line and headers pass this many bytes.
-                http="h11",
+                # answers 400 once the request line and headers pass this many bytes; with a
+                # deadline on each request's arrival (uvicorn has none).
+                http=functools.partial(ReadDeadlineH11Protocol, read_timeout=config.read_timeout),
                 h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                timeout_keep_alive=config.keep_alive_timeout,
+                limit_concurrency=config.max_connections,
+                backlog=config.backlog,
             )
         ).run()
     finally:
@@ -310,6 +325,20 @@ def _parser() -> argparse.ArgumentParser:
         default=d.drain_timeout,
         help="on SIGTERM/SIGINT, seconds for requests in flight to finish",
     )
+    add(
+        "--read-timeout",
+        type=float,
+        default=d.read_timeout,
+        help="seconds from a request's first byte for headers and body to arrive; then the connection closes",
+    )
+    add(
+        "--keep-alive-timeout",
+        type=float,
+        default=d.keep_alive_timeout,
+        help="seconds a connection may idle, new or between requests",
+    )
+    add("--max-connections", type=int, default=d.max_connections, help="open connections; past them, 503")
+    add("--backlog", type=int, default=d.backlog, help="connections the kernel queues before accept")
     add("--log-level", choices=["critical", "error", "warning", "info", "debug"], default=d.log_level)
     return parser
 
@@ -330,9 +359,12 @@ def main(argv: list[str], model_factory: ModelFactory | None = None) -> int:
         config = replace(config, accelerator="cpu")
     if config.max_batch_size < 1 or config.prefill_chunk < 1:
         parser.error("--max-batch-size and --prefill-chunk must be at least 1")
-    for name in ("queue_timeout", "request_timeout", "drain_timeout"):
+    for name in ("queue_timeout", "request_timeout", "drain_timeout", "read_timeout", "keep_alive_timeout"):
         if not 0 < getattr(config, name) < float("inf"):
             parser.error(f"--{name.replace('_', '-')} must be a positive number of seconds")
+    for name in ("max_connections", "backlog"):
+        if getattr(config, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

@@ -41,9 +41,17 @@ import torch.nn.functional as F
 from lab import generate as lab_generate
 from lab import tokens
 from lab.blocks import BlockSet
-from lab.generate import Decoder, decode_rows, pick_token
+from lab.generate import Decoder, SpeculationStats, Speculator, decode_rows, pick_token
 from lab.model import GPT, rows_alone
-from serve.schema import DoneEvent, ErrorEvent, PredictResponse, PromptScore, Timings, TokenEvent
+from serve.schema import (
+    DoneEvent,
+    ErrorEvent,
+    PredictResponse,
+    PromptScore,
+    Speculation,
+    Timings,
+    TokenEvent,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +108,15 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
 
-def _losses(model: GPT, stream: torch.Tensor, targets: list[int]) -> torch.Tensor:
-    """Next-token losses [n] of the first n positions of stream [T, D], whose next tokens are ``targets``."""
+def _scores(model: GPT, stream: torch.Tensor, targets: list[int]) -> torch.Tensor:
+    """The first n positions of stream [T, D], whose next tokens are ``targets``: per position the
+    target's loss, the most likely token and that token's loss (what OpenAI's logprobs report). [n, 3]."""
     n = len(targets)
     logits = model.unembed(stream[None, :n]).float()[0]  # [n, V]
-    return F.cross_entropy(logits, torch.tensor(targets, device=logits.device), reduction="none")  # [n]
+    losses = F.cross_entropy(logits, torch.tensor(targets, device=logits.device), reduction="none")  # [n]
+    top_logits, top_tokens = logits.max(-1)  # [n] each
+    top_losses = torch.logsumexp(logits, -1) - top_logits  # [n]
+    return torch.stack([losses, top_tokens.float(), top_losses], -1)  # [n, 3]
 
 
 class _Progress:
@@ -122,6 +134,7 @@ class _Progress:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""
         self.stopped_at: int | None = None  # where a stop string begins in ``text``, once one appears
+        self.speculation: SpeculationStats | None = None
 
     def token(self, token: int, blocks: int) -> dict | None:
         """Record a new token; its event when the job streams."""
@@ -140,8 +153,18 @@ class _Progress:
         index = len(self.new_tokens) - 1
         return TokenEvent(index=index, token=token, text=piece, blocks=blocks).model_dump()
 
-    def scored(self, losses: torch.Tensor) -> None:
-        self.score = PromptScore(mean_loss=float(losses.mean()), token_losses=losses.tolist())
+    def scored(self, scores: torch.Tensor) -> None:
+        """From ``_scores``' [n, 3], or losses [n] alone (adaptive exit, through lab.generate.score)."""
+        if scores.dim() == 1:
+            self.score = PromptScore(mean_loss=float(scores.mean()), token_losses=scores.tolist())
+            return
+        losses = scores[:, 0]
+        self.score = PromptScore(
+            mean_loss=float(losses.mean()),
+            token_losses=losses.tolist(),
+            top_tokens=scores[:, 1].long().tolist(),
+            top_losses=scores[:, 2].tolist(),
+        )
 
     def done(self, finish_reason: str, blocks_run: list[int] | None) -> dict:
         now, job = time.monotonic(), self.job
@@ -168,14 +191,13 @@ class _Progress:
                 total_ms=_ms(now - job.submitted_at),
             ),
             batch_size=self.batch_size,
+            speculation=None if self.speculation is None else Speculation.of(self.speculation),
         )
         return DoneEvent(response=response).model_dump()
 
 
 def error_event(status: int, message: str) -> dict:
     return ErrorEvent(status=status, message=message).model_dump()
-
-
 
 
 class _Row:
@@ -192,7 +214,14 @@ class _Row:
         self.feed = prompt if generating else prompt[:-1]
         # adaptive exit's losses come from its own pass (lab.generate.score), not from the prefill
         self.loss_targets = prompt[1:] if self.scoring and not job.block_set.is_adaptive else []
-        self.decoder = Decoder(model, job.block_set, max_len=len(self.feed) + job.max_new_tokens)
+        max_len = len(self.feed) + job.max_new_tokens
+        if job.block_set.is_speculative:  # its own rounds, not the shared steps (see Engine.tick)
+            self.speculator: Speculator | None = Speculator(model, job.block_set, max_len)
+            self.decoder = self.speculator.decoder
+            self.progress.speculation = self.speculator.stats
+        else:
+            self.speculator = None
+            self.decoder = Decoder(model, job.block_set, max_len=max_len)
         self.generator = torch.Generator(device=model.wte.weight.device).manual_seed(job.seed)
         self.fixed_blocks = None if job.block_set.is_adaptive else self.decoder.blocks
         self.fed = 0  # prompt tokens prefilled so far
@@ -251,8 +280,12 @@ class Engine:
             while budget > 0 and not row.prefilled and row in self.rows:
                 budget -= min(self.prefill_chunk, len(row.feed) - row.fed)
                 events += self._guarded(row, self._prefill_chunk)
-        if decoding:
-            events += self._decode(decoding)
+        shared = [row for row in decoding if row.speculator is None]
+        if shared:
+            events += self._decode(shared)
+        for row in decoding:
+            if row.speculator is not None and row in self.rows:
+                events += self._guarded(row, self._speculate)
         for _, event in events:
             if event["event"] == "done":
                 self.tally("requests_done", 1)
@@ -317,6 +350,10 @@ class Engine:
     def _prefill_chunk(self, row: _Row) -> list[tuple[Hashable, dict]]:
         """The row's next chunk of prompt; at the end of the prompt its score and first token."""
         job, progress = row.job, row.progress
+        if row.speculator is not None and job.min_tokens > 0:
+            self._finish(row)
+            message = "min_tokens: not with speculate (drafts are drawn without it)"
+            return [(row.key, error_event(422, message))]
         start = time.monotonic()
         if job.block_set.is_adaptive and row.scoring and row.fed == 0:
             scored = lab_generate.score(self.model, job.prompt_tokens, job.block_set)
@@ -330,7 +367,7 @@ class Engine:
         stream = row.decoder.extend(row.feed[row.fed : chunk_end])  # [t, D]
         targets = row.loss_targets[row.fed : chunk_end]
         if targets:
-            row.losses.append(_losses(self.model, stream, targets))
+            row.losses.append(_scores(self.model, stream, targets))
         row.fed = chunk_end
         progress.prefill_s += time.monotonic() - start
         if row.fed < len(row.feed):
@@ -365,6 +402,20 @@ class Engine:
             events += self._emit(row, logits[b], len(blocks_run[b]))
         return events
 
+    def _speculate(self, row: _Row) -> list[tuple[Hashable, dict]]:
+        """One round of self-speculative decoding for the row alone: 1 to k + 1 tokens."""
+        job = row.job
+        wanted = job.max_new_tokens - len(row.progress.new_tokens)
+        drawn = row.speculator.round(
+            row.last_token, wanted, job.temperature, job.top_k, job.top_p, row.generator
+        )
+        events = []
+        for token, _ in drawn:
+            events += self._take(row, token, len(row.fixed_blocks))
+            if row not in self.rows:
+                break
+        return events
+
     def _emit(self, row: _Row, logits: torch.Tensor, blocks: int) -> list[tuple[Hashable, dict]]:
         """Draw the row's next token from logits [V]; its events, and the row's end when it ends."""
         job, progress = row.job, row.progress
@@ -372,6 +423,11 @@ class Engine:
         if len(progress.new_tokens) < job.min_tokens and not job.ignore_eos:
             logits[tokens.EOT] = float("-inf")
         token = pick_token(logits, job.temperature, job.top_k, row.generator, job.top_p)
+        return self._take(row, token, blocks)
+
+    def _take(self, row: _Row, token: int, blocks: int) -> list[tuple[Hashable, dict]]:
+        """Record the row's next token; its events, and the row's end when it ends."""
+        job, progress = row.job, row.progress
         if token == tokens.EOT and not job.ignore_eos:
             self._finish(row)
             return [(row.key, progress.done("stop", row.fixed_blocks))]

@@ -60,15 +60,19 @@ PUBLIC_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc",
 
 def error_response(path: str, status: int, detail, headers: dict[str, str] | None = None) -> JSONResponse:
     """FastAPI's ``{"detail": ...}``, or under ``/v1/`` OpenAI's ``{"error": {"message": ...}}``, the
-    shape its clients read the message from."""
+    shape its clients read the message from, with ``param`` naming the field at fault."""
     if not path.startswith("/v1/"):
         return JSONResponse({"detail": detail}, status_code=status, headers=headers)
-    if not isinstance(detail, str):  # a validation error list
+    param = None
+    if not isinstance(detail, str):  # a validation error list: the first error's field is OpenAI's param
+        fields = [".".join(map(str, error["loc"][1:])) or None for error in detail]
+        param = fields[0] if fields else None
         detail = "; ".join(
-            f"{'.'.join(map(str, error['loc'][1:])) or 'body'}: {error['msg']}" for error in detail
+            f"{field or 'body'}: {error['msg'].removeprefix('Value error, ')}"
+            for field, error in zip(fields, detail, strict=True)
         )
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": detail, "type": kind, "param": None, "code": status}}
+    body = {"error": {"message": detail, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -1,166 +1,206 @@
 """OpenAI-compatible routes over the same workers: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, for the stock ``openai`` client and load tools that speak its protocol.
+``/v1/models``, for the stock ``openai`` client and the tools built on it (aiperf, lm-eval).
 
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="KEY or anything")
     out = client.completions.create(model="builtin", prompt="def main(", max_tokens=20,
                                     extra_body={"blocks": "skip=5", "top_k": 40})
     out.choices[0].text, out.blocklab["mean_blocks_per_token"]
 
-Each body is translated into a ``PredictRequest`` and goes through ``serve.gateway`` like
-``/predict``: same checks, same batches. (LitServe's ``OpenAISpec`` covers chat only and takes over
-its LitAPI; a second LitAPI for it would load the model again and never batch with ``/predict``.)
-The block set travels in the extra field ``blocks`` (a spec string, ``lab.blocks``); ``top_k`` is
-the other extra. Every response carries a ``blocklab`` object: the block set as run, blocks per
-token, server timings. Options this server does not implement (``n`` > 1, ``stop``, ``logprobs``,
-penalties, ``top_p`` < 1, ...) are refused with 422 naming them, never silently ignored.
+Each body is translated into ``PredictRequest``s (one per prompt: a list of prompts, of token ids
+or of lists of ids, becomes as many choices) that go through ``serve.gateway`` like ``/predict``:
+same checks, same batches. (LitServe's ``OpenAISpec`` covers chat only and takes over its LitAPI; a
+second LitAPI for it would load the model again and never batch with ``/predict``.) The block set
+travels in the extra field ``blocks`` (a spec string, ``lab.blocks``); vLLM's extras ``top_k``,
+``min_tokens`` and ``ignore_eos`` are taken too, as load tools send them. ``logprobs`` (with
+``echo``: lm-eval's loglikelihood requests) come from scoring the prompt and what was generated:
+in the first pass when nothing is generated, else in a scoring request after it. Every response
+carries a ``blocklab`` object: the block set as run, blocks per token, server timings. What is not
+implemented (``n`` > 1, tools, penalties, ``logit_bias``, ``logprobs`` > 1, ...) is refused with
+422 whose ``param`` names it, never silently ignored; OpenAI's explicit nulls mean the default.
 Chat turns are rendered as a plain transcript (``role: content`` lines, then ``assistant:``): the
 served models are not chat-tuned.
 """
 
+import codecs
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from lab import tokens
 from serve.gateway import Gateway, Submission
 from serve.schema import MAX_NEW_TOKENS, PredictRequest
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for completions; used for chat too."""
+DEFAULT_TEMPERATURE = 1.0
+MAX_PROMPTS = 64
+"""Prompts in one completions request; each becomes a request of its own, with its own slot."""
+MAX_LOGPROBS = 1
+"""The scoring pass reports the most likely token at each position, not a longer list."""
+
+
+def _only(*neutral) -> AfterValidator:
+    """A field accepted only at the values that mean "off": the server does not implement it."""
+
+    def check(value):
+        if value not in neutral:
+            allowed = " or ".join(map(repr, neutral))
+            raise ValueError(f"not supported by this server (got {value!r}; only {allowed})")
+        return value
+
+    return AfterValidator(check)
+
+
+def refuse(param: str, message: str, status: int = 422) -> HTTPException:
+    """An error in FastAPI's validation shape, so the OpenAI error names ``param``."""
+    return HTTPException(status, [{"type": "value_error", "loc": ["body", param], "msg": message}])
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(None, description="vLLM's: usage in every chunk.")
 
 
 class _OpenAIRequest(BaseModel):
-    """The options completions and chat share. Defaults are OpenAI's."""
+    """The options completions and chat share. ``None`` (absent or an explicit null) is OpenAI's default."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(None, max_length=256, description="Accepted and echoed; one model is served.")
     max_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=256)
-    # Accepted only at the value that means "off": the server does not implement them.
-    top_p: float | None = Field(None, allow_inf_nan=False)
-    n: int | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = Field(None, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(None, max_length=256)
+    n: Annotated[int | None, _only(None, 1)] = None
+    presence_penalty: Annotated[float | None, _only(None, 0.0)] = None
+    frequency_penalty: Annotated[float | None, _only(None, 0.0)] = None
+    logit_bias: Annotated[dict[str, float] | None, _only(None, {})] = None
+    # vLLM's extras, which load tools send to fix output lengths
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
+    top_k: int | None = Field(None, ge=-1, description="vLLM's: -1 or 0 is off.")
     # blocklab's own, sent by OpenAI clients through extra_body
     blocks: str | None = Field(None, max_length=4096, description="Block set spec, e.g. 'skip=3,4'.")
-    top_k: int | None = Field(None, ge=1)
 
-    @model_validator(mode="after")
-    def _only_what_is_implemented(self):
-        neutral = {
-            "top_p": (None, 1.0),
-            "n": (None, 1),
-            "stop": (None, [], ""),
-            "presence_penalty": (None, 0.0),
-            "frequency_penalty": (None, 0.0),
-            "logit_bias": (None, {}),
-        }
-        for name, allowed in neutral.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}: not supported by this server (got {getattr(self, name)!r})")
-        return self
+
+def _check_prompt(prompt: Any) -> str | list[str] | list[int] | list[list[int]]:
+    """One string, a list of strings, token ids, or a list of lists of token ids (one error for all)."""
+
+    def ids(value) -> bool:
+        return isinstance(value, list) and value != [] and all(type(item) is int for item in value)
+
+    shape = "a string, a list of strings, token ids, or a list of lists of token ids"
+    if isinstance(prompt, str) or ids(prompt):
+        return prompt
+    if not isinstance(prompt, list) or prompt == []:
+        raise ValueError(f"must be {shape}")
+    if not (all(isinstance(item, str) for item in prompt) or all(map(ids, prompt))):
+        raise ValueError(f"must be {shape} (a list of prompts holds one kind, each one non-empty)")
+    if len(prompt) > MAX_PROMPTS:
+        raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
+    return prompt
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[str] = Field(description="A prompt, or a list holding exactly one.")
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: Annotated[Any, AfterValidator(_check_prompt)] = Field(
+        description="A prompt, a list of prompts, token ids, or a list of lists of token ids."
+    )
+    echo: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: Annotated[int | None, _only(None, 1)] = None
+    suffix: Annotated[str | None, _only(None, "")] = None
 
-    @model_validator(mode="after")
-    def _one_prompt(self):
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise ValueError(f"prompt: one prompt per request, got a list of {len(self.prompt)}")
-        for name, allowed in {
-            "echo": (False,),
-            "logprobs": (None,),
-            "best_of": (None, 1),
-            "suffix": (None,),
-        }.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}: not supported by this server (got {getattr(self, name)!r})")
-        return self
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str = Field(max_length=200_000)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(max_length=200_000)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(max_length=1024)] = Field(max_length=200_000)
     name: str | None = Field(None, max_length=256)
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_completion_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
-    logprobs: bool | None = None
-
-    @model_validator(mode="after")
-    def _no_logprobs(self):
-        if self.logprobs:
-            raise ValueError("logprobs: not supported by this server")
-        return self
+    logprobs: Annotated[bool | None, _only(None, False)] = None
+    top_logprobs: Annotated[int | None, _only(None, 0)] = None
+    tools: Annotated[Any, _only(None, [])] = None
+    tool_choice: Annotated[Any, _only(None, "none")] = None
+    parallel_tool_calls: Annotated[Any, _only(None, False)] = None
+    functions: Annotated[Any, _only(None, [])] = None
+    function_call: Annotated[Any, _only(None, "none")] = None
+    response_format: Annotated[Any, _only(None, {"type": "text"})] = None
 
 
 def chat_prompt(messages: list[ChatMessage]) -> str:
     """The transcript a base model continues: one ``role: content`` line per turn, then ``assistant:``."""
-    return "".join(f"{message.role}: {message.content}\n" for message in messages) + "assistant:"
+    return "".join(f"{message.role}: {message.text}\n" for message in messages) + "assistant:"
+
+
+_NAMED_MESSAGE = re.compile(r"(?:Value error, )?(\w+): (.*)", re.DOTALL)
 
 
 def _in_openai_terms(detail: list[dict], names: dict[str, str]) -> list[dict]:
-    """Validation errors of the translated request, naming the fields of the body the client sent."""
-    return [{**error, "loc": [names.get(part, part) for part in error["loc"]]} for error in detail]
+    """Validation errors of a translated request, naming the fields of the body the client sent.
+
+    A check across fields reports only ``body`` as its place, with the field first in its message
+    (``"min_tokens: ..."``): that field becomes the place."""
+    translated = []
+    for error in detail:
+        loc, msg = list(error["loc"]), error["msg"]
+        # From model_validate, not from FastAPI, a place lacks the leading "body": it is there all the same.
+        if loc[:1] != ["body"]:
+            loc = ["body", *loc]
+        named = _NAMED_MESSAGE.fullmatch(msg)
+        if loc == ["body"] and named:
+            loc, msg = ["body", named[1]], named[2]
+        for ours in ("max_new_tokens", "prompt_ids"):  # names no message means otherwise
+            msg = msg.replace(ours, names.get(ours, ours))
+        translated.append({**error, "loc": [names.get(part, part) for part in loc], "msg": msg})
+    return translated
 
 
-def _predict_request(
-    body: _OpenAIRequest, prompt: str, max_tokens: int | None, names: dict[str, str]
-) -> PredictRequest:
-    fields = {
-        "prompt": prompt,
-        "max_new_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-        "temperature": body.temperature,
-        "top_k": body.top_k,
-        "seed": body.seed,
-        "stream": body.stream,
-        "blocks": body.blocks,
-    }
+def _prompt_ids(prompt: str | list[int]) -> list[int]:
+    """The ids the server runs for ``prompt`` (as ``serve.schema.resolve`` tokenises it)."""
+    return prompt if isinstance(prompt, list) else tokens.encode(prompt, allow_endoftext=True)
+
+
+def _prompt_text(prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else tokens.decode(prompt)
+
+
+def _token_string(token: int) -> str:
+    """A token as OpenAI's logprobs show it: its text, or ``bytes:\\xNN...`` for part of a character."""
+    raw = tokens.decode_token_bytes(token)
     try:
-        return PredictRequest.model_validate(
-            {name: value for name, value in fields.items() if value is not None}
-        )
-    except ValidationError as error:
-        detail = error.errors(include_url=False, include_context=False)
-        raise HTTPException(422, _in_openai_terms(detail, names)) from None
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
 
 
 def _finish_reason(reason: str) -> str:
     return "stop" if reason == "stop" else "length"
-
-
-def _usage(response: dict) -> dict:
-    completion = len(response["tokens"])
-    return {
-        "prompt_tokens": response["prompt_tokens"],
-        "completion_tokens": completion,
-        "total_tokens": response["prompt_tokens"] + completion,
-    }
 
 
 def _blocklab(response: dict) -> dict:
@@ -175,6 +215,52 @@ def _blocklab(response: dict) -> dict:
         "batch_size",
     )
     return {name: response[name] for name in names}
+
+
+class _Translation:
+    """A body as ``PredictRequest``s: how each prompt is asked, and the names to say errors in."""
+
+    def __init__(
+        self, body: _OpenAIRequest, prompts: list[str | list[int]], max_tokens: int | None, names: dict
+    ):
+        self.body = body
+        self.prompts = prompts
+        self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        self.names = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens", **names}
+
+    def request(self, prompt: str | list[int], **overrides) -> PredictRequest:
+        body = self.body
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop
+        stop = [text for text in stop or () if text]  # "" stops nothing: clients send it for none
+        fields = {
+            "prompt_ids" if isinstance(prompt, list) else "prompt": prompt,
+            "max_new_tokens": self.max_tokens,
+            "temperature": DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            "top_k": body.top_k if body.top_k is not None and body.top_k > 0 else None,
+            "top_p": body.top_p,
+            "seed": body.seed,
+            "stream": bool(body.stream),
+            "blocks": body.blocks,
+            "min_tokens": body.min_tokens,
+            "ignore_eos": body.ignore_eos,
+            "stop": stop or None,
+            **overrides,
+        }
+        try:
+            return PredictRequest.model_validate(
+                {name: value for name, value in fields.items() if value is not None}
+            )
+        except ValidationError as error:
+            detail = error.errors(include_url=False, include_context=False)
+            raise HTTPException(422, _in_openai_terms(detail, self.names)) from None
+
+    def admit(self, gateway: Gateway, request: PredictRequest) -> Submission:
+        try:
+            return gateway.admit(request)
+        except HTTPException as error:  # checked against the model: say it in the client's terms
+            if error.status_code == 422 and isinstance(error.detail, list):
+                raise HTTPException(422, _in_openai_terms(error.detail, self.names)) from None
+            raise
 
 
 class _Route:
@@ -195,80 +281,199 @@ class _Route:
             "model": body.model or self.model_name,
         }
 
-    def _choice(self, text: str, finish_reason: str | None, streamed: bool) -> dict:
+    def _choice(
+        self, index: int, text: str, finish_reason: str | None, streamed: bool, logprobs=None
+    ) -> dict:
         if self.kind == "text_completion":
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         key = "delta" if streamed else "message"
-        return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        return {"index": index, key: {"role": "assistant", "content": text}, "finish_reason": finish_reason}
 
-    async def respond(
-        self, body: _OpenAIRequest, request: PredictRequest, client: Request, names: dict[str, str]
-    ) -> Response:
-        """Answer ``body``, translated into ``request``; ``names`` maps the translation's fields back."""
+    async def respond(self, translation: _Translation, client: Request, echo: bool = False, logprobs=None):
+        """Answer the translated body: its choices whole, or streamed one after another."""
+        body = translation.body
+        # Scoring alone (lm-eval's loglikelihood): the first pass's score is all the logprobs need.
+        score_only = logprobs is not None and translation.max_tokens == 0
+        requests = [translation.request(prompt, score=score_only or None) for prompt in translation.prompts]
+        submissions: list[Submission] = []
         try:
-            submission = self.gateway.admit(request)
-        except HTTPException as error:  # checked against the model: say it in the client's terms
-            if error.status_code == 422 and isinstance(error.detail, list):
-                raise HTTPException(422, _in_openai_terms(error.detail, names)) from None
-            raise
-        request_id = ("cmpl-" if self.kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
-        try:
-            first = await (submission.next_event(client) if body.stream else submission.final_event(client))
-        except BaseException:
-            submission.close()
-            raise
-        if first["event"] == "error" or not body.stream:
-            submission.close()
-            if first["event"] == "error":
-                return self.gateway.error_response(first, client.url.path)
-            response = first["response"]
-            whole = self._envelope(body, self.kind, request_id)
-            whole["choices"] = [
-                self._choice(response["text"], _finish_reason(response["finish_reason"]), False)
-            ]
-            whole["usage"] = _usage(response)
-            whole["blocklab"] = _blocklab(response)
-            return JSONResponse(whole)
-        chunk_object = "text_completion" if self.kind == "text_completion" else "chat.completion.chunk"
-        envelope = self._envelope(body, chunk_object, request_id)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(
-            self._sse(first, submission, envelope, include_usage), media_type="text/event-stream"
+            for request in requests:  # all admitted before any is awaited, so they can share batches
+                submissions.append(translation.admit(self.gateway, request))
+            request_id = ("cmpl-" if self.kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
+            if body.stream:
+                first = await submissions[0].next_event(client)
+                if first["event"] == "error":
+                    return self.gateway.error_response(first, client.url.path)
+                chunk_object = (
+                    "text_completion" if self.kind == "text_completion" else "chat.completion.chunk"
+                )
+                stream = self._sse(
+                    first, submissions, translation, self._envelope(body, chunk_object, request_id), echo
+                )
+                submissions = []  # the stream closes them
+                return StreamingResponse(stream, media_type="text/event-stream")
+            responses = []
+            for submission in submissions:
+                event = await submission.final_event(client)
+                if event["event"] == "error":
+                    return self.gateway.error_response(event, client.url.path)
+                responses.append(event["response"])
+        finally:
+            for submission in submissions:
+                submission.close()
+        details = [None] * len(responses)
+        if logprobs is not None:
+            details = await self._logprobs(translation, responses, echo, logprobs, client)
+        whole = self._envelope(body, self.kind, request_id)
+        whole["choices"] = []
+        for index, (prompt, response) in enumerate(zip(translation.prompts, responses, strict=True)):
+            text = _prompt_text(prompt) + response["text"] if echo else response["text"]
+            reason = _finish_reason(response["finish_reason"])
+            choice = self._choice(index, text, reason, False, details[index])
+            if len(responses) > 1:
+                choice["blocklab"] = _blocklab(response)
+            whole["choices"].append(choice)
+        whole["usage"] = _usage(
+            sum(response["prompt_tokens"] for response in responses),
+            sum(len(response["tokens"]) for response in responses),
         )
+        whole["blocklab"] = _blocklab(responses[0])
+        return JSONResponse(whole)
+
+    async def _scores(
+        self, translation: _Translation, responses: list[dict], client: Request
+    ) -> list[dict | None]:
+        """The score of each prompt followed by what was generated for it (None: under 2 tokens, nothing
+        to score), from the responses themselves when they scored alone, else from scoring requests
+        admitted together."""
+        scores: list[dict | None] = [None] * len(responses)
+        pending: dict[int, Submission] = {}
+        try:
+            for index, (prompt, response) in enumerate(zip(translation.prompts, responses, strict=True)):
+                ids = _prompt_ids(prompt) + response["tokens"]
+                if response["score"] is not None and not response["tokens"]:
+                    scores[index] = response["score"]
+                elif len(ids) >= 2:
+                    overrides = {"max_new_tokens": 0, "score": True, "stream": False, "stop": None}
+                    scoring = translation.request(ids, **overrides, min_tokens=None)
+                    pending[index] = translation.admit(self.gateway, scoring)
+            for index, submission in pending.items():
+                event = await submission.final_event(client)
+                if event["event"] == "error":
+                    raise HTTPException(event["status"], event["message"])
+                scores[index] = event["response"]["score"]
+        finally:
+            for submission in pending.values():
+                submission.close()
+        return scores
+
+    async def _logprobs(
+        self, translation: _Translation, responses: list[dict], echo: bool, top: int, client: Request
+    ) -> list[dict]:
+        """OpenAI's logprobs of each choice: the prompt's positions when ``echo`` (the first has no
+        logprob), then the generated tokens', with the most likely token at each when ``top``."""
+        scores = await self._scores(translation, responses, client)
+        if top and any(score is not None and score.get("top_tokens") is None for score in scores):
+            raise refuse("logprobs", "the engine does not report the most likely tokens yet: use 0", 501)
+        results = []
+        for prompt, response, score in zip(translation.prompts, responses, scores, strict=True):
+            prompt_ids = _prompt_ids(prompt)
+            ids = prompt_ids + response["tokens"]
+            losses = [None] + (score["token_losses"] if score else [])
+            top_tokens = [None] + (score.get("top_tokens") or [] if score else [])
+            top_losses = [None] + (score.get("top_losses") or [] if score else [])
+            first = 0 if echo else len(prompt_ids)
+            # Offsets are characters from the start of the prompt, echoed or not, as OpenAI's are.
+            offset = 0 if echo else len(_prompt_text(prompt))
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for position in range(first, len(ids)):
+                token, loss = ids[position], losses[position]
+                result["tokens"].append(_token_string(token))
+                result["token_logprobs"].append(None if loss is None else -loss)
+                result["text_offset"].append(offset)
+                offset += len(decoder.decode(tokens.decode_token_bytes(token)))
+                if loss is None:
+                    result["top_logprobs"].append(None)
+                else:
+                    best = {_token_string(top_tokens[position]): -top_losses[position]} if top else {}
+                    result["top_logprobs"].append({**best, _token_string(token): -loss})
+            results.append(result)
+        return results
 
     async def _sse(
-        self, first: dict, submission: Submission, envelope: dict, include_usage: bool
+        self,
+        first: dict,
+        submissions: list[Submission],
+        translation: _Translation,
+        envelope: dict,
+        echo: bool,
     ) -> AsyncIterator[str]:
+        """The choices' chunks, one choice after another (their requests run together all the same)."""
+
         def chunk(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
-        sent = ""
+        options = translation.body.stream_options or StreamOptions()
+        usage = [0, 0]
+        if options.continuous_usage_stats:  # every chunk counts the prompts, known before they run
+            usage[0] = sum(len(_prompt_ids(prompt)) for prompt in translation.prompts)
         try:
             event = first
-            while True:
-                if event["event"] == "token":
+            for index, (prompt, submission) in enumerate(zip(translation.prompts, submissions, strict=True)):
+                if index:
+                    event = await submission.next_event()
+                if echo:
+                    yield chunk(
+                        {**envelope, "choices": [self._choice(index, _prompt_text(prompt), None, True)]}
+                    )
+                sent, made = "", 0
+                while event["event"] == "token":
                     sent += event["text"]
-                    yield chunk({**envelope, "choices": [self._choice(event["text"], None, True)]})
-                elif event["event"] == "done":
-                    response = event["response"]
-                    rest = response["text"][len(sent) :]  # bytes of a character still open at the end
-                    last = {
-                        **envelope,
-                        "choices": [self._choice(rest, _finish_reason(response["finish_reason"]), True)],
-                    }
-                    last["blocklab"] = _blocklab(response)
-                    if include_usage:
-                        last["usage"] = _usage(response)
-                    yield chunk(last)
-                    yield "data: [DONE]\n\n"
-                    return
-                else:
+                    made += 1
+                    out = {**envelope, "choices": [self._choice(index, event["text"], None, True)]}
+                    if options.continuous_usage_stats:
+                        out["usage"] = _usage(usage[0], usage[1] + made)
+                    yield chunk(out)
+                    event = await submission.next_event()
+                if event["event"] == "error":
                     error = {"message": event["message"], "type": "server_error", "code": event["status"]}
                     yield chunk({"error": error})
                     return
-                event = await submission.next_event()
+                response = event["response"]
+                if not options.continuous_usage_stats:
+                    usage[0] += response["prompt_tokens"]
+                usage[1] += len(response["tokens"])
+                rest = response["text"][len(sent) :]  # bytes of a character still open at the end
+                last = {
+                    **envelope,
+                    "choices": [self._choice(index, rest, _finish_reason(response["finish_reason"]), True)],
+                    "blocklab": _blocklab(response),
+                }
+                if options.continuous_usage_stats:
+                    last["usage"] = _usage(*usage)
+                yield chunk(last)
+            if options.include_usage:
+                yield chunk({**envelope, "choices": [], "usage": _usage(*usage)})
+            yield "data: [DONE]\n\n"
         finally:
-            submission.close()
+            for submission in submissions:
+                submission.close()
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    """The prompts of a completions body: one string, token ids, or a list of either."""
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
 
 
 def register(app: FastAPI, gateway: Gateway, *, model_name: str, responses: dict) -> None:
@@ -276,31 +481,52 @@ def register(app: FastAPI, gateway: Gateway, *, model_name: str, responses: dict
     chat = _Route(gateway, model_name, "chat.completion")
 
     async def completions(request: CompletionRequest, client: Request) -> Response:
-        prompt = request.prompt if isinstance(request.prompt, str) else request.prompt[0]
-        names = {"max_new_tokens": "max_tokens"}
-        translated = _predict_request(request, prompt, request.max_tokens, names)
-        return await completion.respond(request, translated, client, names)
+        if request.logprobs is not None and request.logprobs > MAX_LOGPROBS:
+            raise refuse(
+                "logprobs", f"at most {MAX_LOGPROBS} (the most likely token), got {request.logprobs}"
+            )
+        if request.logprobs is not None and request.stream:
+            raise refuse("logprobs", "not with stream: ask for the whole response")
+        translation = _Translation(request, _prompts(request.prompt), request.max_tokens, {})
+        return await completion.respond(translation, client, bool(request.echo), request.logprobs)
 
     async def chat_completions(request: ChatCompletionRequest, client: Request) -> Response:
-        max_tokens = (
-            request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        )
-        prompt = chat_prompt(request.messages)
         given = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(request, given)
         names = {"max_new_tokens": given, "prompt": "messages"}
-        translated = _predict_request(request, prompt, max_tokens, names)
-        return await chat.respond(request, translated, client, names)
+        translation = _Translation(request, [chat_prompt(request.messages)], max_tokens, names)
+        return await chat.respond(translation, client)
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "blocklab"}
 
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "blocklab"}],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    async def one_model(model: str) -> dict:
+        if model != model_name:
+            raise HTTPException(
+                404,
+                [
+                    {
+                        "type": "model_not_found",
+                        "loc": ["path", "model"],
+                        "msg": f"this server serves {model_name!r} only",
+                    }
+                ],
+            )
+        return model_card()
 
     routes: list[tuple[str, Callable, str, dict]] = [
         ("/v1/completions", completions, "POST", responses),
         ("/v1/chat/completions", chat_completions, "POST", responses),
         ("/v1/models", models, "GET", {401: responses[401]}),
+        (
+            "/v1/models/{model}",
+            one_model,
+            "GET",
+            {401: responses[401], 404: {"description": "No such model"}},
+        ),
     ]
     for path, endpoint, method, answers in routes:
         app.add_api_route(path, endpoint, methods=[method], response_model=None, responses=answers)

@@ -10,7 +10,7 @@ unknown fields are refused, and every number has a bound. What only the served m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -20,8 +20,17 @@ from lab.blocks import BlockSet
 MAX_PROMPT_CHARS = 200_000
 MAX_NEW_TOKENS = 8192
 MAX_BLOCK_INDICES = 1024
+MAX_PROMPT_IDS = 65_536
+"""More token ids than any served context holds; the model's own context length is checked later."""
+MAX_STOP = 16
+MAX_STOP_CHARS = 1024
+TokenId = Annotated[int, Field(ge=0, lt=tokens.VOCAB_SIZE)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 MIN_TEMPERATURE = 1e-6
 """Below it (and above 0) a float32 logit divided by the temperature overflows: NaN probabilities."""
+MIN_TOP_P = 1e-6
+"""Below it float32 probabilities cannot tell it from 0 (a top_p of 5e-324 is 0 in float32, which
+keeps no token); any top_p below the most likely token's probability keeps that token alone."""
 BLOCK_FIELDS = (
     "skip", "keep", "overwrite", "exit_at", "adaptive", "adaptive_min_blocks", "adaptive_check"
 )  # fmt: skip
@@ -42,17 +51,36 @@ class Admission:
 
 
 class PredictRequest(BaseModel):
-    """One request to ``POST /predict``. The block set is either ``blocks`` (a spec string, see
-    ``lab.blocks``) or the structured fields (``skip`` or ``keep``, ``overwrite``, ``exit_at``,
-    ``adaptive`` with ``adaptive_min_blocks``), never both. Nothing given: all blocks."""
+    """One request to ``POST /predict``. The prompt is text (``prompt``) or token ids (``prompt_ids``,
+    taken as they are: what a client tokenised itself, as lm-eval does). The block set is either
+    ``blocks`` (a spec string, see ``lab.blocks``) or the structured fields (``skip`` or ``keep``,
+    ``overwrite``, ``exit_at``, ``adaptive`` with ``adaptive_min_blocks``), never both. Nothing
+    given: all blocks."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     id: str | None = Field(None, max_length=256, description="Client's id, echoed back in the response.")
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    prompt: str | None = Field(None, min_length=1, max_length=MAX_PROMPT_CHARS)
+    prompt_ids: list[TokenId] | None = Field(
+        None, min_length=1, max_length=MAX_PROMPT_IDS, description="The prompt as GPT-2 token ids."
+    )
     max_new_tokens: int = Field(16, ge=0, le=MAX_NEW_TOKENS, description="0: score the prompt only.")
     temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False, description="0: greedy.")
     top_k: int | None = Field(None, ge=1, le=tokens.VOCAB_SIZE)
+    top_p: float = Field(
+        1.0,
+        ge=MIN_TOP_P,
+        le=1.0,
+        allow_inf_nan=False,
+        description="Nucleus sampling: the smallest set of tokens whose probability reaches it.",
+    )
+    min_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS, description="No end-of-text before this many tokens.")
+    ignore_eos: bool = Field(False, description="Generate max_new_tokens whatever is drawn (load tests).")
+    stop: list[StopString] | None = Field(
+        None,
+        max_length=MAX_STOP,
+        description="Generation ends once the text contains one of these; the text returned ends before it.",
+    )
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Sampling seed; drawn when absent.")
     stream: bool = Field(False, description="NDJSON events: one per token, then the summary.")
     score: bool = Field(False, description="Also return the loss of the prompt under the block set.")
@@ -72,7 +100,9 @@ class PredictRequest(BaseModel):
 
     @field_validator("prompt")
     @classmethod
-    def _encodable(cls, prompt: str) -> str:
+    def _encodable(cls, prompt: str | None) -> str | None:
+        if prompt is None:  # an explicit null: the prompt comes as prompt_ids
+            return prompt
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as error:
@@ -87,6 +117,16 @@ class PredictRequest(BaseModel):
         if 0.0 < temperature < MIN_TEMPERATURE:
             raise ValueError(f"0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature:g}")
         return temperature
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> PredictRequest:
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ValueError("prompt: give prompt (text) or prompt_ids (token ids), exactly one")
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens: {self.min_tokens} is more than max_new_tokens {self.max_new_tokens}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_way_to_name_blocks(self) -> PredictRequest:
@@ -192,7 +232,10 @@ def resolve(request: PredictRequest, limits: ModelLimits) -> Resolved:
     if block_set.adaptive_check == "probe" and not limits.exit_probe:
         field = "blocks" if request.blocks is not None else "adaptive_check"
         raise RequestError(field, "check=probe needs an exit probe (lab.exit_probe); this model has none")
-    prompt_tokens = tokens.encode(request.prompt, allow_endoftext=True)
+    if request.prompt_ids is not None:
+        prompt_tokens = list(request.prompt_ids)
+    else:
+        prompt_tokens = tokens.encode(request.prompt, allow_endoftext=True)
     if len(prompt_tokens) > limits.block_size:
         raise RequestError(
             "prompt", f"{len(prompt_tokens)} tokens exceed the context length {limits.block_size}"
@@ -229,9 +272,34 @@ class Timings(_Response):
 class PromptScore(_Response):
     mean_loss: float = Field(description="Mean next-token loss (nats) over the prompt.")
     token_losses: list[float] = Field(description="Loss of prompt tokens 1..n-1 given the ones before.")
+    top_tokens: list[int] | None = Field(
+        None, description="The most likely token at each of those positions (greedy's choice)."
+    )
+    top_losses: list[float] | None = Field(
+        None, description="The loss of each top token: the least loss at each position."
+    )
 
 
 FinishReason = Literal["length", "stop", "scored"]
+
+
+class Speculation(_Response):
+    """What self-speculative decoding did for a request (``speculate=E`` block sets)."""
+
+    rounds: int = Field(description="Verification passes over the drafted tokens.")
+    drafted: int = Field(description="Tokens drafted by the first blocks.")
+    accepted: int = Field(description="Drafted tokens the full set agreed with.")
+    acceptance_rate: float | None
+
+    @classmethod
+    def of(cls, stats) -> Speculation:
+        """From ``lab.generate.SpeculationStats``."""
+        return cls(
+            rounds=stats.rounds,
+            drafted=stats.drafted,
+            accepted=stats.accepted,
+            acceptance_rate=stats.acceptance_rate,
+        )
 
 
 class PredictResponse(_Response):
@@ -240,7 +308,8 @@ class PredictResponse(_Response):
     tokens: list[int] = Field(description="The new token ids (the end-of-text token is not included).")
     prompt_tokens: int
     finish_reason: FinishReason = Field(
-        description="length: max_new_tokens reached; stop: end-of-text sampled; scored: nothing generated."
+        description="length: max_new_tokens reached; stop: end-of-text sampled or a stop string generated; "
+        "scored: nothing generated."
     )
     seed: int
     block_set: str = Field(description="The block set as run, as a spec string.")
@@ -249,7 +318,8 @@ class PredictResponse(_Response):
     mean_blocks_per_token: float
     score: PromptScore | None
     timings: Timings
-    batch_size: int = Field(description="Requests that shared this one's forward passes.")
+    batch_size: int = Field(description="The most requests that shared one of its decode steps.")
+    speculation: Speculation | None = Field(None, description="Drafts and acceptance, when speculating.")
 
 
 class TokenEvent(_Response):

@@ -325,10 +325,17 @@ def summarize(
     losses = [sample.loss for sample in ok if sample.loss is not None]
     blocks = [sample.mean_blocks for sample in ok if sample.mean_blocks is not None]
     errors = [sample.error for sample in samples if sample.error is not None]
-    ttft = _stats_ms([sample.ttft_s for sample in ok if sample.ttft_s is not None], 50, 99)
-    tpot = _stats_ms([sample.tpot_s for sample in ok if sample.tpot_s is not None], 50, 99)
-    itl = _stats_ms([gap for sample in ok for gap in sample.itl_s], 50, 99)
-    e2el = _stats_ms([sample.latency_s for sample in ok], 50, 90, 99)
+    latencies = {
+        "ttft": ([sample.ttft_s for sample in ok if sample.ttft_s is not None], (50, 99)),
+        "tpot": ([sample.tpot_s for sample in ok if sample.tpot_s is not None], (50, 99)),
+        "itl": ([gap for sample in ok for gap in sample.itl_s], (50, 99)),
+        "e2el": ([sample.latency_s for sample in ok], (50, 90, 99)),
+    }
+    named = {}  # mean_ttft_ms, median_ttft_ms, p99_ttft_ms, ...
+    for metric, (values, quantiles) in latencies.items():
+        names = ["mean"] + ["median" if q == 50 else f"p{q}" for q in quantiles]
+        stats = _stats_ms(values, *quantiles)
+        named |= {f"{name}_{metric}_ms": value for name, value in zip(names, stats, strict=True)}
     per_s = (lambda count: round(count / wall_s, 3)) if wall_s > 0 else (lambda count: 0.0)
     return Summary(
         block_set=block_set,
@@ -336,19 +343,7 @@ def summarize(
         concurrency=concurrency,
         completed=len(ok),
         errors=len(errors),
-        mean_ttft_ms=ttft[0],
-        median_ttft_ms=ttft[1],
-        p99_ttft_ms=ttft[2],
-        mean_tpot_ms=tpot[0],
-        median_tpot_ms=tpot[1],
-        p99_tpot_ms=tpot[2],
-        mean_itl_ms=itl[0],
-        median_itl_ms=itl[1],
-        p99_itl_ms=itl[2],
-        mean_e2el_ms=e2el[0],
-        median_e2el_ms=e2el[1],
-        p90_e2el_ms=e2el[2],
-        p99_e2el_ms=e2el[3],
+        **named,
         request_throughput=per_s(len(ok)),
         output_throughput=per_s(sum(sample.new_tokens for sample in ok)),
         request_goodput=per_s(sum(meets(sample, slo) for sample in ok)) if slo else None,

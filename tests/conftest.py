@@ -9,6 +9,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models step faster on one thread, and far faster when other processes share the cores.
+    Modules that train tiny models use it: ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

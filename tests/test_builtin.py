@@ -1,4 +1,7 @@
+
 """The builtin model's pipeline (tiny): corpus, compact vocabulary, training, widening, saving, loading."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -77,3 +80,16 @@ def test_tiny_builtin_pipeline(tmp_path, monkeypatch, capsys):
     assert "short of the bigram count model" in out  # 4 steps do not beat counting pairs
     trained = {**report, "val_loss": report["baselines"]["bigram"] - 0.5}
     assert "short of the bigram" not in format_report(trained)
+
+
+def test_the_early_exit_recipe_saves_builtin_early_exit(tmp_path, monkeypatch):
+    from lab.builtin import RECIPES
+
+    monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path))
+    recipe = dataclasses.replace(TINY, **RECIPES["early-exit"])
+    report = create_builtin(recipe, tmp_path / "builtin-early-exit")
+    assert report["recipe"]["early_exit_loss"] == 1.0 and len(report["val_loss_exit"]) == 1
+    model = load_model("builtin-early-exit")
+    assert model.config.n_layer == 2 and model.exit_probe is not None
+    with pytest.raises(FileNotFoundError, match="blocklab builtin`"):
+        load_model("builtin")  # the plain one is a model of its own, not made here

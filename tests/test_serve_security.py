@@ -192,12 +192,14 @@ def test_request_models_bound_every_size():
 
 REQUEST_FIELDS = {
     # /predict
-    "id", "prompt", "max_new_tokens", "temperature", "top_k", "seed", "stream", "score", "blocks",
+    "id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "min_tokens",
+    "ignore_eos", "stop", "seed", "stream", "score", "blocks",
     "skip", "keep", "overwrite", "exit_at", "adaptive", "adaptive_min_blocks", "adaptive_check",
     # the OpenAI routes
-    "model", "max_tokens", "stream_options", "include_usage", "user", "top_p", "n", "stop",
+    "model", "max_tokens", "stream_options", "include_usage", "continuous_usage_stats", "user", "n",
     "presence_penalty", "frequency_penalty", "logit_bias", "echo", "logprobs", "best_of", "suffix",
-    "messages", "role", "content", "name", "max_completion_tokens",
+    "messages", "role", "content", "type", "text", "name", "max_completion_tokens", "top_logprobs",
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
 }  # fmt: skip
 """Every field a request body can carry. None selects a file: ``model`` is only echoed (one model
 is served, chosen at start), ``blocks`` is a block-set spec. A new field fails this test until it is
@@ -232,7 +234,10 @@ def test_no_request_field_or_parameter_names_a_file(server):
             parameters += operation.get("parameters", [])
             if "requestBody" in operation:
                 fields |= request_properties(schema, operation["requestBody"], set())
-    assert parameters == []  # no path or query parameter anywhere
+    # One path parameter, compared with the served model's name and never used otherwise; no query.
+    assert parameters == [
+        {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "title": "Model"}}
+    ]
     assert fields == REQUEST_FIELDS
     words = "path|file|filename|dir|directory|url|uri|load|save|checkpoint|ckpt|weights|config|log|output"
     pathlike = re.compile(rf"(^|_)({words})(_|$)", re.I)

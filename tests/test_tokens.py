@@ -63,3 +63,19 @@ def test_equals_tiktoken_gpt2_when_downloadable():
     for text in TEXTS:
         assert tokens.encode(text) == reference.encode(text)
     assert tokens.encoding()._mergeable_ranks == reference._mergeable_ranks
+
+
+def test_hugging_face_tokenizer_from_the_packaged_ranks_matches(tmp_path):
+    import transformers  # a dev dependency: the tools that read this directory load it with it
+
+    directory = tokens.write_hf_tokenizer(tmp_path / "gpt2")
+    hf = transformers.GPT2TokenizerFast.from_pretrained(directory)
+    texts = [
+        "Hello world, it's 2026!  Tabs\tand\nnewlines\n\n  def main(argv):\n    return 0",
+        "naïve café, 東京, emoji 🙂 and a lone é; 'll 've 're 12345678",
+        "<|endoftext|>text after the separator",
+    ]
+    for text in texts:
+        assert hf.encode(text) == tokens.encode(text, allow_endoftext=True)
+        assert hf.decode(tokens.encode(text, allow_endoftext=True)) == text
+    assert hf.eos_token_id == tokens.EOT and len(hf) == tokens.VOCAB_SIZE

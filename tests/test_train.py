@@ -19,14 +19,7 @@ from lab.train import STREAM_TRAINER_ARGS, LitGPT, learning_rate, main
 TINY_MODEL = ["--model.config.n_layer", "2", "--model.config.n_head", "2", "--model.config.n_embd", "16"]
 TINY_DATA = ["--model.config.block_size", "16", "--data.seq_len", "16", "--data.batch_size", "4"]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models step faster on one thread, and far faster when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

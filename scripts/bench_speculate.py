@@ -1,0 +1,133 @@
+"""Self-speculative decoding at batch 1: tokens per second against full-depth decoding, per draft
+exit E and draft length K, with the acceptance rate, and whether the greedy tokens are the same.
+
+    python scripts/bench_speculate.py --model builtin                      # a few minutes on 2 cores
+    python scripts/bench_speculate.py --model builtin --exits 2 4 6 --drafts 2 4 --prompts 10 --json
+
+Prompts are held-out standard library source (``lab.corpora``), the text the builtin model was not
+trained on. Each setting decodes the same prompts greedily; the baseline (``all``) is timed in the
+same run, interleaved, so the ratio holds under the machine's load of the moment.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lab import tokens
+from lab.blocks import BlockSet
+from lab.corpora import held_out_stdlib_files
+from lab.generate import SpeculationStats, generate
+from lab.quantize import WEIGHT_DTYPES, load
+
+
+def prompts_from_stdlib(count: int, length: int) -> list[list[int]]:
+    """The first ``length`` tokens of ``count`` held-out standard library files."""
+    files = held_out_stdlib_files()
+    chosen = [files[i * len(files) // count] for i in range(count)]
+    return [tokens.encode(path.read_text(encoding="utf-8", errors="replace"))[:length] for path in chosen]
+
+
+def decode(model, prompts: list[list[int]], new: int, block_set: BlockSet) -> tuple[float, list, object]:
+    """Seconds for every prompt's greedy decode, the tokens, and what speculation did."""
+    stats, outputs = SpeculationStats(), []
+    start = time.perf_counter()
+    for prompt in prompts:
+        steps = generate(model, prompt, new, block_set=block_set, speculation=stats)
+        outputs.append([step.token for step in steps])
+    return time.perf_counter() - start, outputs, stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="builtin")
+    parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default="float32")
+    parser.add_argument("--exits", type=int, nargs="+", default=[2, 4, 6, 8])
+    parser.add_argument("--drafts", type=int, nargs="+", default=[2, 4, 6])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None, help="write speculate.json and speculate.png here")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = load(args.model, args.dtype)
+    depth = model.config.n_layer
+    prompts = prompts_from_stdlib(args.prompts, args.prompt_tokens)
+    decode(model, prompts[:1], 8, BlockSet())  # warm-up
+    rows = []
+    for exit_block in args.exits:
+        for k in args.drafts:
+            spec = BlockSet.parse(f"speculate={exit_block};k={k}", depth)
+            full_s, full_tokens, _ = decode(model, prompts, args.new_tokens, BlockSet())
+            spec_s, spec_tokens, stats = decode(model, prompts, args.new_tokens, spec)
+            rows.append(
+                {
+                    "block_set": str(spec),
+                    "exit": exit_block,
+                    "k": k,
+                    "speedup": round(full_s / spec_s, 3),
+                    "acceptance_rate": round(stats.acceptance_rate or 0.0, 3),
+                    "tokens_per_verify": round(sum(map(len, spec_tokens)) / max(1, stats.rounds), 2),
+                    "full_tokens_per_s": round(sum(map(len, full_tokens)) / full_s, 1),
+                    "tokens_per_s": round(sum(map(len, spec_tokens)) / spec_s, 1),
+                    "greedy_identical": spec_tokens == full_tokens,
+                }
+            )
+            if not args.json:
+                r = rows[-1]
+                print(
+                    f"{r['block_set']:>18}  speedup {r['speedup']:.2f}x  "
+                    f"accepted {r['acceptance_rate']:.0%}  "
+                    f"{r['tokens_per_s']:.1f} vs {r['full_tokens_per_s']:.1f} tok/s  "
+                    f"identical {r['greedy_identical']}",
+                    flush=True,
+                )
+    result = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "prompts": args.prompts,
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "rows": rows,
+    }
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "speculate.json").write_text(json.dumps(result, indent=2) + "\n")
+        plot(rows, args.out / "speculate.png", f"{args.model}: self-speculative decoding, batch 1")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (speed, accept) = plt.subplots(1, 2, figsize=(10, 4))
+    for k in sorted({row["k"] for row in rows}):
+        mine = [row for row in rows if row["k"] == k]
+        exits = [row["exit"] for row in mine]
+        speed.plot(exits, [row["speedup"] for row in mine], marker="o", label=f"k={k}")
+        accept.plot(exits, [row["acceptance_rate"] for row in mine], marker="o", label=f"k={k}")
+    speed.axhline(1.0, color="grey", lw=0.8)
+    speed.set_ylabel("tokens/s over full-depth decoding")
+    accept.set_ylabel("drafts accepted")
+    for ax in (speed, accept):
+        ax.set_xlabel("draft exit E (blocks that draft)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

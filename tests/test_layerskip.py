@@ -1,0 +1,85 @@
+"""LayerSkip's training recipe in ``LitGPT``: layer dropout rising with depth, an early-exit loss on
+every block's read-out with a rotational curriculum, and what it buys: cheaper early exits."""
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lab.blocks import BlockSet
+from lab.config import GPTConfig
+from lab.data import CharDataModule
+from lab.model import GPT
+from lab.train import STREAM_TRAINER_ARGS, LitGPT
+
+CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=32, vocab_size=64)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+
+
+def test_layer_dropout_rises_with_depth_and_with_the_curriculum():
+    module = LitGPT(CONFIG, layer_dropout=0.4, max_steps=100)
+    rates = module.layer_dropout_rates(step=0)
+    assert rates[0] == 0.0 and rates[-1] == pytest.approx(0.4) and bool((rates.diff() > 0).all())
+    growing = LitGPT(CONFIG, layer_dropout=0.4, layer_dropout_curriculum="exponential", max_steps=100)
+    assert float(growing.layer_dropout_rates(0).max()) == 0.0
+    assert torch.allclose(growing.layer_dropout_rates(100), rates)
+    assert float(growing.layer_dropout_rates(50)[-1]) == pytest.approx(0.4 * (2**0.5 - 1))
+
+
+def test_a_dropped_block_passes_the_stream_through_and_taps_are_the_exits():
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval()
+    idx = torch.randint(0, 64, (3, 10))
+    keep = torch.ones(4, 3, dtype=torch.bool)
+    keep[2, 1] = False  # row 1 skips block 2
+    taps = {}
+    with torch.no_grad():
+        stream = model.residual_stream(idx, layer_keep=keep, taps=taps)
+        skipped = model.residual_stream(idx[1:2], block_set=BlockSet(skip=frozenset({2})))
+        full = model.residual_stream(idx)
+        early = model.residual_stream(idx, block_set=BlockSet(exit_at=2))
+    torch.testing.assert_close(stream[1:2], skipped)
+    torch.testing.assert_close(stream[[0, 2]], full[[0, 2]])
+    assert sorted(taps) == [0, 1, 2, 3]
+    torch.testing.assert_close(taps[1], early)
+
+
+def fit(tmp_path, steps: int, **recipe) -> LitGPT:
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. a bird sang in the tree. " * 80)
+    L.seed_everything(1)
+    data = CharDataModule(paths=[str(text)], seq_len=32, batch_size=8, val_batches=2)
+    data.setup("fit")
+    config = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=32, vocab_size=data.vocab_size)
+    module = LitGPT(config, lr=3e-3, **recipe)
+    trainer = L.Trainer(
+        max_steps=steps, val_check_interval=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **STREAM_TRAINER_ARGS,
+    )  # fmt: skip
+    trainer.fit(module, data)
+    module.logged = dict(trainer.callback_metrics)
+    module.data = data
+    return module.eval()
+
+
+def exit_loss(module: LitGPT, exit_at: int) -> float:
+    losses = []
+    with torch.no_grad():
+        for x, y in module.data.val_dataloader():
+            logits = module.model(x, block_set=BlockSet(exit_at=exit_at))
+            losses.append(float(F.cross_entropy(logits.flatten(0, 1), y.flatten())))
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_early_exits_and_logs_each_blocks_exit_loss(tmp_path):
+    plain = fit(tmp_path, 120)
+    recipe = fit(tmp_path, 120, layer_dropout=0.2, early_exit_loss=1.0, early_exit_every=2)
+    assert {f"val/exit_loss/blocks.{i}" for i in range(4)} <= set(recipe.logged)
+    assert any(name.startswith("train/exit_loss/blocks.") for name in recipe.logged)
+    assert float(recipe.logged["val/exit_loss/blocks.3"]) == pytest.approx(float(recipe.logged["val/loss"]))
+    # what the recipe is for: reading out after 2 of 4 blocks costs far less than in a plain model
+    assert exit_loss(recipe, 2) < exit_loss(plain, 2) - 0.2

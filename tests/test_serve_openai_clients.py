@@ -1,0 +1,277 @@
+"""The OpenAI routes as stock clients use them, replayed without the clients.
+
+The bodies below are what aiperf 0.13 (``aiperf profile --endpoint-type completions|chat
+--streaming --extra-inputs ignore_eos:true``) and lm-eval 0.4.13 (``--model local-completions``,
+generate_until and loglikelihood requests) sent to ``blocklab serve``, captured from the runs in
+docs/serving.md ("Stock clients"); the checks read the answers the way those tools do. So the
+suite needs neither tool installed, and breaks when the server stops answering them.
+"""
+
+import json
+from operator import itemgetter
+
+import httpx
+import openai
+import pytest
+
+from lab import tokens
+from serve.schema import MIN_TOP_P
+from serve.testing import ServerProcess, TinyModel
+
+MODEL = "gpt2-random"
+CONTEXT = 256
+
+AIPERF_COMPLETIONS = {
+    "prompt": " what to me my love But what to me A wife KATHARINE A beard fair health and honesty With "
+    "threefold love I wish you all these three DUMAINE O shall I say I thank you gentle wife KATHARINE No so "
+    "my lord A twelvemonth and a day Ill mark no words that smoothfaced",
+    "model": MODEL,
+    "stream": True,
+    "max_tokens": 32,
+    "ignore_eos": True,
+    "stream_options": {"include_usage": True},
+}
+AIPERF_CHAT = {
+    "messages": [
+        {
+            "role": "user",
+            "content": " to be made For such a guest is meet HAMLET I think it be thine indeed for thou "
+            "liest int FIRST CLOWN You lie out ont sir and therefore tis not yours For my part I do not "
+            "lie int yet it is mine HAMLET Thou dost lie int to be int and say it is th",
+        }
+    ],
+    "model": MODEL,
+    "stream": True,
+    "max_completion_tokens": 32,
+    "ignore_eos": True,
+    "stream_options": {"include_usage": True},
+}
+LM_EVAL_GENERATE = {
+    "prompt": [[48, 25, 9022, 8265, 17105, 3218, 14700, 30, 198, 32, 25]],
+    "model": MODEL,
+    "max_tokens": 16,
+    "temperature": 0.0,
+    "stop": ["\n", "Q:"],
+    "seed": 1234,
+}
+LM_EVAL_LOGLIKELIHOOD = {
+    "model": MODEL,
+    "prompt": [[2514, 2666, 257, 9052, 1903, 11, 11361, 2438, 3544, 262, 2643, 220, 1441]],
+    "temperature": 0,
+    "max_tokens": 1,
+    "logprobs": 1,
+    "seed": 1234,
+    "echo": True,
+}
+CONTEXT_LENGTH = 11
+"""lm-eval's ``ctxlen`` for that request: the context's tokens; the rest is the continuation."""
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(["--model", MODEL], model_factory=TinyModel(block_size=CONTEXT)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        yield http
+
+
+def sse(response: httpx.Response) -> list[dict]:
+    """The JSON chunks of a server-sent-event stream, which must end with ``[DONE]``."""
+    lines = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def predict(client: httpx.Client, **body) -> dict:
+    response = client.post("/predict", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def error(response: httpx.Response, status: int = 422) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [("/v1/completions", AIPERF_COMPLETIONS), ("/v1/chat/completions", AIPERF_CHAT)]
+)
+def test_aiperf_streams_get_exactly_their_tokens_and_usage(client, path, body):
+    chunks = sse(client.post(path, json=body))
+    *tokens_chunks, usage_chunk = chunks
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 32  # ignore_eos
+    key = "text" if path == "/v1/completions" else "delta"
+    assert all(chunk["choices"][0]["index"] == 0 for chunk in tokens_chunks)
+    assert tokens_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(tokens_chunks) == 32 + 1  # a chunk per token, then the one with the finish reason
+    assert all(
+        isinstance(chunk["choices"][0][key], str if key == "text" else dict) for chunk in tokens_chunks
+    )
+    assert usage_chunk["usage"]["prompt_tokens"] > 0
+
+
+def test_lm_eval_generate_until_stops_before_its_stop_strings(client):
+    greedy = LM_EVAL_GENERATE | {"stop": None, "max_tokens": 16}
+    free = client.post("/v1/completions", json=greedy).json()["choices"][0]["text"]
+    stop = free[len(free) // 2 : len(free) // 2 + 3]  # a string the greedy text is known to hold
+    body = LM_EVAL_GENERATE | {"stop": ["never generated", stop]}
+    answer = client.post("/v1/completions", json=body).json()
+    choice = answer["choices"][0]
+    assert choice["text"] == free[: free.index(stop)] and choice["finish_reason"] == "stop"
+    plain = client.post("/v1/completions", json=LM_EVAL_GENERATE).json()["choices"][0]
+    assert not any(text in plain["text"] for text in LM_EVAL_GENERATE["stop"])
+
+
+def lm_eval_parse_logprobs(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
+    """lm-eval 0.4.13's ``LocalCompletionsAPI.parse_logprobs``, as it reads the answer."""
+    res = []
+    for choice, ctxlen in zip(sorted(out["choices"], key=itemgetter("index")), ctxlens, strict=False):
+        logprobs = sum(choice["logprobs"]["token_logprobs"][ctxlen:-1])
+        is_greedy = all(
+            token == max(top.values())
+            for token, top in zip(
+                choice["logprobs"]["token_logprobs"][ctxlen:-1],
+                choice["logprobs"]["top_logprobs"][ctxlen:-1],
+                strict=False,
+            )
+        )
+        res.append((logprobs, is_greedy))
+    return res
+
+
+def test_lm_eval_loglikelihood_is_the_loss_of_the_continuation(client):
+    """Needs the engine's top tokens (``PromptScore.top_tokens``/``top_losses``) for ``logprobs: 1``."""
+    ids = LM_EVAL_LOGLIKELIHOOD["prompt"][0]
+    two = LM_EVAL_LOGLIKELIHOOD | {"prompt": [ids, ids[:CONTEXT_LENGTH] + [tokens.EOT]]}
+    response = client.post("/v1/completions", json=two)
+    assert response.status_code == 200, response.text
+    out = response.json()
+    assert [choice["index"] for choice in out["choices"]] == [0, 1]
+    details = out["choices"][0]["logprobs"]
+    generated = out["choices"][0]["text"][len(tokens.decode(ids)) :]  # echo: the prompt, then the new token
+    assert len(details["token_logprobs"]) == len(ids) + 1 and details["token_logprobs"][0] is None
+    assert details["top_logprobs"][0] is None and details["text_offset"][:2] == [
+        0,
+        len(tokens.decode(ids[:1])),
+    ]
+    assert "".join(details["tokens"][len(ids) :]) == generated
+
+    losses = predict(client, prompt_ids=ids, max_new_tokens=0)["score"]["token_losses"]
+    [(loglikelihood, is_greedy)] = lm_eval_parse_logprobs({"choices": out["choices"][:1]}, [CONTEXT_LENGTH])
+    assert loglikelihood == pytest.approx(-sum(losses[CONTEXT_LENGTH - 1 :]), abs=1e-4)
+    greedy = [
+        predict(client, prompt_ids=ids[:position], max_new_tokens=1, temperature=0.0)["tokens"][0]
+        for position in range(CONTEXT_LENGTH, len(ids))
+    ]
+    assert is_greedy == (greedy == ids[CONTEXT_LENGTH:])
+    for position, top in zip(range(CONTEXT_LENGTH, len(ids)), greedy, strict=True):
+        best = details["top_logprobs"][position]
+        assert tokens.decode([top]) in best and max(best.values()) == best[tokens.decode([top])]
+
+
+def test_prompts_as_lists_become_choices_whole_and_streamed(client):
+    ids = tokens.encode("Hello there, general")
+    body = {
+        "model": MODEL,
+        "prompt": ["Hello there", "Hello there, general"],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    whole = client.post("/v1/completions", json=body).json()
+    texts = [choice["text"] for choice in whole["choices"]]
+    assert [choice["index"] for choice in whole["choices"]] == [0, 1]
+    assert texts[1] == predict(client, prompt_ids=ids, max_new_tokens=4)["text"]
+    assert whole["usage"]["prompt_tokens"] == 2 + len(ids)
+    as_ids = client.post(
+        "/v1/completions", json=body | {"prompt": [tokens.encode("Hello there"), ids]}
+    ).json()
+    assert [choice["text"] for choice in as_ids["choices"]] == texts
+    chunks = sse(client.post("/v1/completions", json=body | {"stream": True}))
+    streamed = ["", ""]
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            streamed[choice["index"]] += choice["text"]
+    assert streamed == texts
+    echoed = client.post("/v1/completions", json=body | {"echo": True, "max_tokens": 0}).json()
+    assert [choice["text"] for choice in echoed["choices"]] == ["Hello there", "Hello there, general"]
+    mixed = body | {"prompt": ["Hello there", ids]}
+    assert error(client.post("/v1/completions", json=mixed))["param"] == "prompt"
+
+
+def test_explicit_nulls_mean_the_defaults(client):
+    nulls = dict.fromkeys(["temperature", "top_p", "stream", "stop", "n", "seed", "logprobs", "echo", "user"])
+    answer = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", **nulls})
+    assert answer.status_code == 200, answer.text
+    assert 1 <= answer.json()["usage"]["completion_tokens"] <= 16  # OpenAI's default max_tokens
+    chat_nulls = dict.fromkeys(["temperature", "max_tokens", "tools", "tool_choice", "response_format"])
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
+    assert client.post("/v1/chat/completions", json=chat | chat_nulls).status_code == 200
+
+
+def test_sampling_options_reach_the_engine(client):
+    greedy = {"model": MODEL, "prompt": "Hello there", "max_tokens": 6, "temperature": 0}
+    expected = client.post("/v1/completions", json=greedy).json()["choices"][0]["text"]
+    narrow = greedy | {
+        "temperature": 1.0,
+        "top_p": MIN_TOP_P,
+        "seed": 3,
+    }  # only the most likely token is left
+    assert client.post("/v1/completions", json=narrow).json()["choices"][0]["text"] == expected
+    exact = greedy | {"ignore_eos": True, "min_tokens": 6, "top_k": -1}  # vLLM's -1: no top-k
+    assert client.post("/v1/completions", json=exact).json()["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"best_of": 3}, "best_of"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"logprobs": 3}, "logprobs"),
+        ({"logprobs": 1, "stream": True}, "logprobs"),
+        ({"suffix": "tail"}, "suffix"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        (
+            {"max_tokens": CONTEXT},
+            "max_tokens",
+        ),  # with the prompt, over the context: checked against the model
+        ({"min_tokens": 20}, "min_tokens"),  # more than the default max_tokens
+        ({"blocks": "skip=99"}, "blocks"),
+        ({"prompt": [[1, tokens.VOCAB_SIZE]]}, "prompt.1"),
+        ({"prompt": []}, "prompt"),
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 5e-324}, "top_p"),  # 0 in float32: below MIN_TOP_P
+    ],
+)
+def test_what_stays_unsupported_is_refused_naming_the_field(client, body, param):
+    refused = error(client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there"} | body))
+    assert refused["param"] == param and refused["message"].startswith(f"{param}: ")
+    assert refused["type"] == "invalid_request_error"
+
+
+def test_chat_refuses_tools_and_logprobs_naming_them(client):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    for field, value in [("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("logprobs", True)]:
+        assert error(client.post("/v1/chat/completions", json=chat | {field: value}))["param"] == field
+    over = chat | {"max_completion_tokens": CONTEXT}
+    assert error(client.post("/v1/chat/completions", json=over))["param"] == "max_completion_tokens"
+
+
+def test_the_openai_client_reads_models_and_errors(server):
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert api.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        api.models.retrieve("gpt-4")
+    assert missing.value.body["param"] == "model"
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        api.completions.create(model=MODEL, prompt="Hi", n=2)
+    assert refused.value.body["param"] == "n"
+    out = api.completions.create(model=MODEL, prompt=[[15496, 995], [15496]], max_tokens=2, temperature=0)
+    assert len(out.choices) == 2 and out.usage.completion_tokens == 4

@@ -1,0 +1,158 @@
+"""Self-speculative decoding (``speculate=E``): exact tokens when greedy, the full set's distribution
+when sampling, in ``lab.generate``, the engine and the block-set grammar."""
+
+import itertools
+import re
+import time
+
+import pytest
+import torch
+
+from lab import tokens
+from lab.blocks import BlockSet
+from lab.config import GPTConfig
+from lab.generate import SpeculationStats, generate, score
+from lab.model import GPT
+from serve.engine import Engine, Job
+
+PROMPTS = ["The quick brown fox", "def main(", "import os\nimport sys", "Once upon a time there"]
+
+
+def bold(config: GPTConfig, seed: int = 0) -> GPT:
+    """A random GPT whose blocks move the stream a lot (projections scaled up), so that a read-out
+    after the first blocks often disagrees with the full stack's: drafts are rejected too."""
+    torch.manual_seed(seed)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("c_proj.weight"):
+                param.mul_(40.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    torch.set_num_threads(1)
+    return bold(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=tokens.VOCAB_SIZE, block_size=128))
+
+
+def tokens_of(model: GPT, prompt: str, spec: str, n: int = 24, **sampling) -> list[int]:
+    block_set = BlockSet.parse(spec, model.config.n_layer)
+    return [step.token for step in generate(model, tokens.encode(prompt), n, block_set=block_set, **sampling)]
+
+
+@pytest.mark.parametrize(
+    "spec", ["speculate=1", "speculate=2;k=2", "speculate=3;k=6", "skip=1;speculate=2;k=3"]
+)
+def test_greedy_speculation_gives_exactly_the_full_sets_tokens(model, spec):
+    full_spec = "skip=1" if spec.startswith("skip") else "all"
+    stats = SpeculationStats()
+    for prompt in PROMPTS:
+        block_set = BlockSet.parse(spec, 4)
+        got = [step.token for step in generate(model, tokens.encode(prompt), 24, block_set=block_set,
+                                               speculation=stats)]  # fmt: skip
+        assert got == tokens_of(model, prompt, full_spec), (spec, prompt)
+    assert 0 < stats.accepted < stats.drafted  # drafts were accepted and rejected both
+    assert stats.rounds < 4 * 23  # fewer verification passes than tokens after the first
+
+
+def test_quantized_greedy_speculation_gives_the_full_sets_tokens():
+    from lab.quantize import quantize
+
+    config = GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=tokens.VOCAB_SIZE, block_size=128)
+    model = quantize(bold(config, seed=1).to(torch.bfloat16), "int4")
+    for prompt in PROMPTS[:2]:
+        assert tokens_of(model, prompt, "speculate=2;k=3") == tokens_of(model, prompt, "all")
+
+
+def test_scoring_under_speculation_is_the_full_sets_loss(model):
+    ids = tokens.encode(PROMPTS[2])
+    assert score(model, ids, BlockSet.parse("speculate=2", 4)).token_losses == score(model, ids).token_losses
+
+
+@pytest.mark.slow
+def test_sampled_speculation_draws_from_the_full_sets_distribution():
+    """Speculative sampling's rule makes (t1, t2, t3) distributed as under the full set: the joint
+    distribution of 3 tokens of a 4-token vocabulary, exact by enumeration, against 3,000 seeded
+    draws. The same test tells the draft's own distribution apart, so it can fail."""
+    config = GPTConfig(n_layer=4, n_head=2, n_embd=16, vocab_size=4, block_size=16)
+    model = bold(config, seed=4)
+    with torch.no_grad():
+        model.wte.weight.mul_(10.0)  # sharper read-outs: the draft's distribution is far from the full
+    prompt, temperature = [1, 2], 1.0
+
+    def probs(context: list[int], block_set: BlockSet) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([context]), block_set=block_set)[0, -1]
+        return torch.softmax(logits / temperature, dim=-1)
+
+    def joint(block_set: BlockSet) -> dict[tuple[int, ...], float]:
+        table = {}
+        for seq in itertools.product(range(4), repeat=3):
+            p = 1.0
+            for i in range(3):
+                p *= float(probs(prompt + list(seq[:i]), block_set)[seq[i]])
+            table[seq] = p
+        return table
+
+    exact, draft_only = joint(BlockSet()), joint(BlockSet(exit_at=2))
+    spec = BlockSet.parse("speculate=2;k=2", 4)
+    counts: dict[tuple[int, ...], int] = {}
+    n = 3000
+    for seed in range(n):
+        steps = generate(model, prompt, 3, temperature=temperature, seed=seed, block_set=spec)
+        seq = tuple(step.token for step in steps)
+        counts[seq] = counts.get(seq, 0) + 1
+    empirical = {seq: counts.get(seq, 0) / n for seq in exact}
+
+    def distance(a: dict, b: dict) -> float:
+        return 0.5 * sum(abs(a[seq] - b[seq]) for seq in exact)
+
+    assert distance(exact, draft_only) > 0.3  # the draft alone samples something else
+    assert distance(empirical, exact) < 0.06  # sampling noise of 3,000 draws over 64 outcomes
+
+
+def job(spec: str, prompt: str, **extra) -> Job:
+    return Job(
+        request_id=None,
+        prompt_tokens=tokens.encode(prompt),
+        block_set=BlockSet.parse(spec, 4),
+        max_new_tokens=extra.pop("max_new_tokens", 20),
+        temperature=extra.pop("temperature", 0.0),
+        top_k=None,
+        seed=extra.pop("seed", 1),
+        score=extra.pop("score", False),
+        stream=extra.pop("stream", False),
+        submitted_at=time.monotonic(),
+        **extra,
+    )
+
+
+def test_the_engine_serves_speculation_beside_other_rows(model):
+    speculating = job("speculate=2;k=3", PROMPTS[0], stream=True)
+    jobs = [speculating, job("all", PROMPTS[1]), job("exit=2", PROMPTS[2])]
+    last, seen = {}, {}
+    for events in Engine(model).run(list(enumerate(jobs))):
+        for key, event in events:
+            last[key] = event
+            seen.setdefault(key, []).append(event)
+    speculated = last[0]["response"]
+    assert speculated["tokens"] == tokens_of(model, PROMPTS[0], "all", n=20)
+    assert [event["token"] for event in seen[0][:-1]] == speculated["tokens"]  # a token event each
+    assert speculated["blocks_per_token"] == [4] * 20 and speculated["block_set"] == "speculate=2;k=3"
+    stats = speculated["speculation"]
+    assert stats["drafted"] > 0 and stats["acceptance_rate"] == stats["accepted"] / stats["drafted"]
+    assert last[1]["response"]["speculation"] is None
+    assert last[1]["response"]["tokens"] == tokens_of(model, PROMPTS[1], "all", n=20)
+    refused = next(iter(Engine(model).run([(0, job("speculate=2", PROMPTS[0], min_tokens=2))])))
+    assert refused[0][1]["status"] == 422 and "min_tokens" in refused[0][1]["message"]
+
+
+def test_the_grammar_of_speculation():
+    assert str(BlockSet.parse(" speculate = 6 ; k = 3 ", 12)) == "speculate=6;k=3"
+    assert BlockSet.parse("speculate=6;k=4", 12) == BlockSet(speculate=6)
+    for bad, part in [("k=3", "'k=3'"), ("speculate=0", "speculate=0"), ("speculate=12", "speculate=12"),
+                      ("speculate=6;exit=9", "speculate=6"), ("speculate=6;k=17", "k=17"),
+                      ("speculate=+6", "speculate=+6"), ("skip=0;speculate=1", "speculate=1")]:  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(part)):
+            BlockSet.parse(bad, 12)
