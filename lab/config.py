@@ -24,8 +24,11 @@ class GPTConfig:
     """Biases in the linear layers and LayerNorms, as in GPT-2."""
     dropout: float = 0.0
     """Dropout on the embedding, attention pattern and each stage's write."""
-    norm: Literal["pre", "post"] = "pre"
-    """pre: x + f(ln(x)) (GPT-2); post: ln(x + f(x)) (original transformer, GPT-1)."""
+    norm: Literal["pre", "post", "deepnorm", "peri"] = "pre"
+    """Where the norms sit: pre: x + f(ln(x)) (GPT-2); post: ln(x + f(x)) (original transformer,
+    GPT-1); deepnorm: ln(alpha x + f(x)) with a scaled init (DeepNet); peri: x + ln(f(ln(x))) (Peri-LN)."""
+    norm_type: Literal["layer", "rms"] = "layer"
+    """layer: LayerNorm (GPT-2); rms: RMSNorm (no mean subtraction, no bias)."""
     attention: Literal["eager", "sdpa"] = "sdpa"
     """eager writes the [B, H, T, T] scores out; sdpa calls the fused kernel. Same logits."""
     layer_norm_eps: float = 1e-5
@@ -37,8 +40,10 @@ class GPTConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.norm not in ("pre", "post"):
-            raise ValueError(f"norm must be 'pre' or 'post', got {self.norm!r}")
+        if self.norm not in ("pre", "post", "deepnorm", "peri"):
+            raise ValueError(f"norm must be 'pre', 'post', 'deepnorm' or 'peri', got {self.norm!r}")
+        if self.norm_type not in ("layer", "rms"):
+            raise ValueError(f"norm_type must be 'layer' or 'rms', got {self.norm_type!r}")
         if self.attention not in ("eager", "sdpa"):
             raise ValueError(f"attention must be 'eager' or 'sdpa', got {self.attention!r}")
         if not 0.0 <= self.dropout < 1.0:

@@ -117,7 +117,7 @@ def propagate_kv(block: Block, x: torch.Tensor, cache: tuple[torch.Tensor, torch
     B, T, D = x.shape
     attn, c_attn = block.attn, block.attn.c_attn
     H, Dh = attn.n_head, attn.head_dim
-    h = block.ln_1(x) if block.norm == "pre" else x  # [B, T, D]
+    h = block.ln_1(x) if block.norm_first else x  # [B, T, D]
     if isinstance(c_attn, Linear):
         kv = h @ c_attn.weight[:, D:]  # [B, T, 2D]: the key and value columns of [D, 3D]
         if c_attn.bias is not None:

@@ -1,6 +1,6 @@
 """A GPT-2-architecture decoder in plain torch, read top to bottom: leaves first.
 
-Linear -> HookPoint -> CausalSelfAttention -> MLP -> Block -> KVCache -> GPT.
+Linear -> HookPoint -> make_norm -> CausalSelfAttention -> MLP -> Block -> KVCache -> GPT.
 
 The residual stream (the "bus") enters each Block as ``resid_pre``; attention adds ``attn_out``
 (giving ``resid_mid``) and the feed-forward adds ``mlp_out`` (giving ``resid_post``). Every one of
@@ -95,6 +95,18 @@ class HookPoint(nn.Identity):
     @property
     def is_hooked(self) -> bool:
         return bool(self._forward_hooks)
+
+
+NORM_FIRST = ("pre", "peri")
+"""The ``GPTConfig.norm`` variants whose stages read a normalised copy of the stream (the stream itself
+is a plain sum of writes, so the model needs a final norm); the others normalise the stream itself."""
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    """The norm ``cfg.norm_type`` names, over the last dimension D: LayerNorm or RMSNorm."""
+    if cfg.norm_type == "rms":
+        return nn.RMSNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+    return nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
 
 
 def extend_cache(
@@ -212,10 +224,19 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One stage of the pipeline: attention then feed-forward, each writing into the stream.
 
-    pre-LN (GPT-2):   resid_mid = resid_pre + attn(ln_1(resid_pre))
-                      resid_post = resid_mid + mlp(ln_2(resid_mid))
-    post-LN (GPT-1):  resid_mid = ln_1(resid_pre + attn(resid_pre))
-                      resid_post = ln_2(resid_mid + mlp(resid_mid))
+    ``cfg.norm`` places the norms (``cfg.norm_type``: LayerNorm or RMSNorm); L blocks:
+
+    pre (GPT-2):        resid_mid = resid_pre + attn(ln_1(resid_pre))
+                        resid_post = resid_mid + mlp(ln_2(resid_mid))
+    post (GPT-1):       resid_mid = ln_1(resid_pre + attn(resid_pre))
+                        resid_post = ln_2(resid_mid + mlp(resid_mid))
+    deepnorm (DeepNet): resid_mid = ln_1(alpha * resid_pre + attn(resid_pre)),  alpha = (2L)^(1/4)
+                        resid_post = ln_2(alpha * resid_mid + mlp(resid_mid))
+                        (and GPT.__init__ scales the init of some weights by beta = (8L)^(-1/4))
+    peri (Peri-LN):     resid_mid = resid_pre + ln_1_out(attn(ln_1(resid_pre)))
+                        resid_post = resid_mid + ln_2_out(mlp(ln_2(resid_mid)))
+
+    ``attn_out`` and ``mlp_out`` are what each stage adds: for peri, after its output norm.
 
     ``overwrite=True`` computes both writes as usual but hands on ``attn_out + mlp_out`` alone:
     the incoming stream is dropped, which measures how much later blocks rely on it. A [B] boolean
@@ -225,10 +246,18 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.norm = cfg.norm
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
+        self.norm_first = cfg.norm in NORM_FIRST  # the stages read ln_1(x), ln_2(x), not the stream
+        # DeepNet's residual scale, alpha = (2L)^(1/4) for a decoder-only model of L blocks (Wang et al.
+        # 2022, arXiv:2203.00555, Figure 2's table); post-LN is the same formula with alpha = 1.
+        self.alpha = (2 * cfg.n_layer) ** 0.25 if cfg.norm == "deepnorm" else 1.0
+        self.ln_1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
+        self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
+        # Peri-LN normalises what each stage writes too; elsewhere these pass it through (no parameters,
+        # so GPT-2 checkpoints keep their keys).
+        self.ln_1_out = make_norm(cfg) if cfg.norm == "peri" else nn.Identity()
+        self.ln_2_out = make_norm(cfg) if cfg.norm == "peri" else nn.Identity()
         self.resid_pre = HookPoint()  # [B, T, D] the stream as it enters
         self.attn_out = HookPoint()  # [B, T, D] what attention adds
         self.resid_mid = HookPoint()  # [B, T, D] the stream between the two stages
@@ -245,16 +274,16 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         """``cache`` and ``pos``: see ``CausalSelfAttention.forward``."""
         x = self.resid_pre(x)  # [B, T, D]
-        if self.norm == "pre":
-            attn_out = self.attn_out(self.attn(self.ln_1(x), cache, pos, mask))
+        if self.norm_first:  # pre, peri: the stream is the plain sum of what the stages write
+            attn_out = self.attn_out(self.ln_1_out(self.attn(self.ln_1(x), cache, pos, mask)))  # [B, T, D]
             mid = self.resid_mid(x + attn_out)
-            mlp_out = self.mlp_out(self.mlp(self.ln_2(mid)))
+            mlp_out = self.mlp_out(self.ln_2_out(self.mlp(self.ln_2(mid))))  # [B, T, D]
             out = mid + mlp_out
-        else:
-            attn_out = self.attn_out(self.attn(x, cache, pos, mask))
-            mid = self.resid_mid(self.ln_1(x + attn_out))
-            mlp_out = self.mlp_out(self.mlp(mid))
-            out = self.ln_2(mid + mlp_out)
+        else:  # post, deepnorm: each sum is normalised
+            attn_out = self.attn_out(self.attn(x, cache, pos, mask))  # [B, T, D]
+            mid = self.resid_mid(self.ln_1(self.alpha * x + attn_out))
+            mlp_out = self.mlp_out(self.mlp(mid))  # [B, T, D]
+            out = self.ln_2(self.alpha * mid + mlp_out)
         if isinstance(overwrite, torch.Tensor):
             out = torch.where(overwrite[:, None, None], attn_out + mlp_out, out)  # [B, T, D]
         elif overwrite:
@@ -306,8 +335,8 @@ def padding_mask(padding: torch.Tensor, pos: int, T: int) -> torch.Tensor:
 class GPT(nn.Module):
     """Token and position tables, a stack of Blocks, a final norm and the tied unembedding.
 
-    post-LN has no final norm: its last Block ends in ``ln_2``, so the stream leaving the stack is
-    already normalised (as in GPT-1), and ``ln_f`` is the identity.
+    post-LN and DeepNorm have no final norm: their last Block ends in ``ln_2``, so the stream leaving
+    the stack is already normalised (as in GPT-1), and ``ln_f`` is the identity.
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -318,13 +347,14 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.embed = HookPoint()  # [B, T, D] token + position: the stream's first write
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        if cfg.norm == "pre":
-            self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
-        else:
-            self.ln_f = nn.Identity()
+        self.ln_f = make_norm(cfg) if cfg.norm in NORM_FIRST else nn.Identity()
         self.read_out: nn.Module | None = None  # a quantized copy of the tied table (lab.quantize)
         self.exit_probe = None  # lab.exit_probe.ExitProbe: adaptive exit's learned check, fitted per model
         self.apply(self._init_weights)
+        if cfg.norm == "deepnorm":
+            for block in self.blocks:
+                self._init_deepnorm(block, beta=(8 * cfg.n_layer) ** -0.25)
+            return
         # GPT-2: scale the projections that write into the stream by 1/sqrt(2L), so the stream's
         # variance does not grow with depth at initialisation.
         for name, param in self.named_parameters():
@@ -339,6 +369,18 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @staticmethod
+    def _init_deepnorm(block: Block, beta: float) -> None:
+        """DeepNet's init for a decoder-only model of L blocks (Wang et al. 2022, arXiv:2203.00555,
+        Figure 2): Xavier normal with gain beta = (8L)^(-1/4) for the feed-forward, value and output
+        projections, gain 1 for queries and keys, so the updates' effect on the stream stays bounded."""
+        D = block.attn.c_proj.weight.size(0)
+        q, k, v = block.attn.c_attn.weight.split(D, dim=1)  # 3 x [D, D], views of [D, 3D]
+        nn.init.xavier_normal_(q)
+        nn.init.xavier_normal_(k)
+        for weight in (v, block.attn.c_proj.weight, block.mlp.c_fc.weight, block.mlp.c_proj.weight):
+            nn.init.xavier_normal_(weight, gain=beta)
 
     def num_params(self, include_position_table: bool = True) -> int:
         """Parameters, counting the tied token table once."""

@@ -2,33 +2,47 @@
 
     blocklab stall --preset cpu                       # ~9 minutes on 2 idle CPU cores
     blocklab stall --preset gpu --seeds 1 2 3 --out runs/stall-gpu
+    blocklab stall --variants pre post post+warmup=100 deepnorm peri peri+rms
+    blocklab stall --grid lr=5e-4,1e-3,2e-3 warmup=0,25,100 --variants post --out runs/grid
 
-For each seed, three six-block character-level models are trained with the same settings: pre-LN
-without warmup, post-LN without warmup, post-LN with a linear warmup. Without warmup the post-LN model
-stays on the unigram line (it predicts character frequencies and never learns to use context) while
-pre-LN goes below the bigram line; with warmup post-LN breaks through as well.
+For each seed, six-block character-level models are trained with the same settings but for the
+variant (where the norms sit, their type, the warmup); by default pre-LN without warmup, post-LN
+without warmup, post-LN with a linear warmup. Without warmup the post-LN model stays on the unigram line
+(it predicts character frequencies and never learns to use context) while pre-LN goes below the
+bigram line; with warmup post-LN breaks through as well. Before training, each model's per-block
+gradient norms at initialisation are measured (Xiong et al. 2020's figure).
 
-Writes ``OUT/<run>/`` TensorBoard runs, ``OUT/summary.json`` and ``OUT/stall.png``, and prints a table.
+Writes ``OUT/<run>/`` TensorBoard runs, ``OUT/summary.json``, ``OUT/stall.png`` (loss curves) and
+``OUT/grad_norms.png`` (gradient norm per block at init), and prints a table. ``--grid`` instead trains
+one variant over a grid of preset settings, cell by cell (a rerun skips the cells already in
+``OUT/cells/``), and writes ``OUT/grid.json`` and the heatmap ``OUT/grid.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lab.config import GPTConfig
-from lab.data import CharDataModule
+from lab.data import CharDataModule, RandomWindows
+from lab.gradients import grad_norms_at_init
 from lab.train import STREAM_TRAINER_ARGS, LitGPT
 
 SMOOTH = 10  # "loss at step s" is the mean training loss over steps s-9..s
+INIT_BATCHES = 4  # gradient norms at initialisation: the mean over the first training batches
+# Per-block gradient norms and update ratios in TensorBoard: every step while the stall sets in, then
+# sparsely (each costs a copy of the blocks' weights).
+BLOCK_STATS_FIRST, BLOCK_STATS_EVERY = 100, 25
 
 
 def report_steps(steps: int) -> list[int]:
@@ -70,17 +84,54 @@ PRESETS = {
 }
 
 
+NORM_LABELS = {"pre": "pre-LN", "post": "post-LN", "deepnorm": "DeepNorm", "peri": "Peri-LN"}
+
+
 @dataclass(frozen=True)
 class Variant:
+    """What differs between the runs: ``GPTConfig.norm`` and ``norm_type``, and the warmup steps."""
+
     norm: str
-    warmup: int
+    warmup: int = 0
+    norm_type: str = "layer"
+
+    @classmethod
+    def parse(cls, spec: str) -> Variant:
+        """``NORM[+warmup=N][+rms]``: ``post``, ``post+warmup=100``, ``peri+rms``."""
+        norm, *options = spec.split("+")
+        if norm not in NORM_LABELS:
+            raise ValueError(f"variant {spec!r}: the norm must be one of {', '.join(NORM_LABELS)}")
+        variant = cls(norm)
+        for option in options:
+            if option == "rms":
+                variant = replace(variant, norm_type="rms")
+            elif option.startswith("warmup=") and option[7:].isdigit():
+                variant = replace(variant, warmup=int(option[7:]))
+            else:
+                raise ValueError(f"variant {spec!r}: unknown option {option!r} (warmup=N or rms)")
+        return variant
+
+    @property
+    def spec(self) -> str:
+        return (
+            self.norm
+            + (f"+warmup={self.warmup}" if self.warmup else "")
+            + ("+rms" if self.norm_type == "rms" else "")
+        )
 
     @property
     def label(self) -> str:
-        return f"{self.norm}-LN, " + (f"warmup {self.warmup}" if self.warmup else "no warmup")
+        rms = ", RMSNorm" if self.norm_type == "rms" else ""
+        return f"{NORM_LABELS[self.norm]}{rms}, " + (f"warmup {self.warmup}" if self.warmup else "no warmup")
 
     def run_name(self, seed: int) -> str:
-        return f"{self.norm}ln_warmup{self.warmup}_seed{seed}"
+        rms = "_rms" if self.norm_type == "rms" else ""
+        return f"{self.norm}ln_warmup{self.warmup}{rms}_seed{seed}"
+
+
+def default_variants(preset: StallPreset) -> list[Variant]:
+    """The original experiment: pre-LN and post-LN without warmup, post-LN with the preset's warmup."""
+    return [Variant("pre"), Variant("post"), Variant("post", preset.warmup)]
 
 
 class LossRecorder(L.Callback):
@@ -92,7 +143,7 @@ class LossRecorder(L.Callback):
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        loss = outputs["loss"].item() if outputs is not None else None
+        loss = None if outputs["skipped"] else outputs["loss"].item()
         self.losses.append(loss)
         step = len(self.losses)
         if step % self.every == 0:
@@ -122,6 +173,7 @@ def train_variant(
         vocab_size=data.vocab_size,
         block_size=preset.seq_len,
         norm=variant.norm,
+        norm_type=variant.norm_type,
     )
     model = LitGPT(
         config,
@@ -129,10 +181,19 @@ def train_variant(
         betas=preset.betas,
         weight_decay=preset.weight_decay,
         warmup_steps=variant.warmup,
+        block_stats_first=BLOCK_STATS_FIRST,
+        block_stats_every=BLOCK_STATS_EVERY,
     )
+    # The first training batches (the stream is a pure function of seed and index): no RNG is used, so
+    # the run that follows is the same as without this measurement.
+    windows = RandomWindows(data.train_ids, preset.seq_len, preset.batch_size, seed)
+    at_init = grad_norms_at_init(model.model, [windows[i] for i in range(INIT_BATCHES)])
     recorder = LossRecorder(report)
     trainer = L.Trainer(
         **STREAM_TRAINER_ARGS,
+        # One device per run, whatever the machine has: DDP over several would multiply the batch and
+        # change the experiment (a multi-GPU machine runs variants side by side: docs/training.md).
+        devices=1,
         max_steps=preset.steps,
         val_check_interval=preset.steps,
         num_sanity_val_steps=0,
@@ -151,7 +212,9 @@ def train_variant(
     below = next((i + 1 for i, loss in enumerate(curve) if loss < data.bigram_entropy), None)
     final = curve[-1]
     return {
+        "variant": variant.spec,
         "norm": variant.norm,
+        "norm_type": variant.norm_type,
         "warmup": variant.warmup,
         "seed": seed,
         "loss_at": {str(step): round(curve[step - 1], 4) for step in marks},
@@ -161,25 +224,81 @@ def train_variant(
         "stalled": final > (data.unigram_entropy + data.bigram_entropy) / 2,
         "s_per_step": round((time.perf_counter() - recorder.start) / preset.steps, 4),
         "skipped_steps": model.nonfinite_steps,
+        "grad_norms_at_init": {name: [round(v, 6) for v in values] for name, values in at_init.items()},
         "losses": recorder.losses,
     }
 
 
-def plot(runs: list[dict], unigram: float, bigram: float, path: Path) -> None:
+def by_variant(runs: list[dict]) -> dict[str, list[dict]]:
+    """The runs grouped by variant spec, in the order the variants first ran."""
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(run["variant"], []).append(run)
+    return groups
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"mean": round(statistics.fmean(values), 4), "min": min(values), "max": max(values)}
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    """One row per variant over its seeds: final loss and validation loss (mean, min, max), stalls."""
+    rows = []
+    for spec, group in by_variant(runs).items():
+        last = list(group[0]["loss_at"])[-1]
+        rows.append(
+            {
+                "variant": spec,
+                "label": Variant.parse(spec).label,
+                "seeds": [run["seed"] for run in group],
+                "stalled_seeds": sum(run["stalled"] for run in group),
+                "final_loss": spread([run["loss_at"][last] for run in group]),
+                "val_loss": spread([run["val_loss"] for run in group]),
+                "loss_at": {
+                    m: round(statistics.fmean(r["loss_at"][m] for r in group), 4) for m in group[0]["loss_at"]
+                },
+                "below_bigram_at": [run["below_bigram_at"] for run in group],
+            }
+        )
+    return rows
+
+
+def grad_norms_by_variant(runs: list[dict], name: str = "blocks") -> dict[str, list[float]]:
+    """Per variant, each block's gradient norm at init (``name``: blocks or mlp.c_proj), mean over seeds."""
+    return {
+        spec: [
+            round(statistics.fmean(v), 6)
+            for v in zip(*(r["grad_norms_at_init"][name] for r in group), strict=True)
+        ]
+        for spec, group in by_variant(runs).items()
+    }
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {("pre", False): "tab:blue", ("post", False): "tab:red", ("post", True): "tab:green"}
-    seeds = sorted({run["seed"] for run in runs})
-    styles = ["-", "--", ":", "-."]
+    return plt
+
+
+def plot(runs: list[dict], unigram: float, bigram: float, path: Path) -> None:
+    """The 10-step-mean loss curve of each variant: the mean over seeds, shaded between min and max."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
-    for run in runs:
-        curve = smoothed(run["losses"])
-        label = Variant(run["norm"], run["warmup"]).label + f", seed {run['seed']}"
-        colour = colours[(run["norm"], run["warmup"] > 0)]
-        ax.plot(range(1, len(curve) + 1), curve, colour, ls=styles[seeds.index(run["seed"]) % 4], label=label)
+    for spec, group in by_variant(runs).items():
+        curves = [smoothed(run["losses"]) for run in group]
+        steps = range(1, len(curves[0]) + 1)
+        mean = [statistics.fmean(values) for values in zip(*curves, strict=True)]
+        label = Variant.parse(spec).label + (
+            f", {len(group)} seeds" if len(group) > 1 else f", seed {group[0]['seed']}"
+        )
+        (line,) = ax.plot(steps, mean, label=label)
+        if len(group) > 1:
+            low = [min(v) for v in zip(*curves, strict=True)]
+            high = [max(v) for v in zip(*curves, strict=True)]
+            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, lw=0)
     ax.axhline(unigram, color="grey", ls="--", lw=1, label=f"unigram line H(X) = {unigram:.2f}")
     ax.axhline(bigram, color="black", ls="--", lw=1, label=f"bigram line H(X_t | X_t-1) = {bigram:.2f}")
     ax.set(xlabel="step", ylabel=f"training loss, nats/char ({SMOOTH}-step mean)", title="The post-LN stall")
@@ -190,36 +309,109 @@ def plot(runs: list[dict], unigram: float, bigram: float, path: Path) -> None:
     plt.close(fig)
 
 
-def table(runs: list[dict], unigram: float, bigram: float) -> str:
-    marks = list(runs[0]["loss_at"])
-    head = ["run", "seed", *(f"step {m}" for m in marks), "val", "below bigram at", "stalled"]
-    rows = [
-        [
-            Variant(run["norm"], run["warmup"]).label,
-            str(run["seed"]),
-            *(f"{run['loss_at'][m]:.3f}" for m in marks),
-            f"{run['val_loss']:.3f}",
-            str(run["below_bigram_at"] or "-"),
-            "yes" if run["stalled"] else "no",
-        ]
-        for run in runs
-    ]
+def plot_grad_norms(runs: list[dict], path: Path) -> None:
+    """Gradient norm per block at initialisation, one line per variant (warmup does not change it, so
+    variants differing only in warmup are drawn once): the block's whole gradient and, dashed, its
+    feed-forward output weight's."""
+    plt = _pyplot()
+    blocks, c_proj = grad_norms_by_variant(runs), grad_norms_by_variant(runs, "mlp.c_proj")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = set()
+    for spec in blocks:
+        variant = Variant.parse(spec)
+        if (variant.norm, variant.norm_type) in drawn:
+            continue
+        drawn.add((variant.norm, variant.norm_type))
+        label = variant.label.rsplit(", ", 1)[0]
+        layers = range(len(blocks[spec]))
+        (line,) = ax.plot(layers, blocks[spec], marker="o", label=f"{label}: block")
+        ax.plot(
+            layers,
+            c_proj[spec],
+            marker="x",
+            ls="--",
+            color=line.get_color(),
+            label=f"{label}: mlp.c_proj.weight",
+        )
+    ax.set(
+        xlabel="block",
+        ylabel="gradient norm at init",
+        yscale="log",
+        title="Gradient norm per block at initialisation",
+    )
+    ax.set_xticks(range(len(next(iter(blocks.values())))))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(head: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in [head, *rows]]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in [head, *rows]]
+
+
+def table(runs: list[dict], unigram: float, bigram: float) -> str:
+    """One row per run for one seed; with several, one row per variant: means, and the final loss's range."""
+    marks = list(runs[0]["loss_at"])
+    seeds = {run["seed"] for run in runs}
+    if len(seeds) == 1:
+        head = ["run", "seed", *(f"step {m}" for m in marks), "val", "below bigram at", "stalled"]
+        rows = [
+            [
+                Variant.parse(run["variant"]).label,
+                str(run["seed"]),
+                *(f"{run['loss_at'][m]:.3f}" for m in marks),
+                f"{run['val_loss']:.3f}",
+                str(run["below_bigram_at"] or "-"),
+                "yes" if run["stalled"] else "no",
+            ]
+            for run in runs
+        ]
+    else:
+        head = [
+            "run",
+            "seeds",
+            *(f"step {m}" for m in marks),
+            "final min-max",
+            "val",
+            "below bigram at",
+            "stalled",
+        ]
+        rows = [
+            [
+                row["label"],
+                str(len(row["seeds"])),
+                *(f"{row['loss_at'][m]:.3f}" for m in marks),
+                f"{row['final_loss']['min']:.3f}-{row['final_loss']['max']:.3f}",
+                f"{row['val_loss']['mean']:.3f}",
+                ",".join(str(b or "-") for b in row["below_bigram_at"]),
+                f"{row['stalled_seeds']}/{len(row['seeds'])}",
+            ]
+            for row in aggregate(runs)
+        ]
+    lines = format_table(head, rows)
+    if len(seeds) > 1:
+        lines.append("step columns and val: means over the seeds; below bigram at: per seed")
     lines.append(f"reference lines: unigram {unigram:.3f}, bigram {bigram:.3f} nats/char (training split)")
     return "\n".join(lines)
 
 
-def run_stall(preset: StallPreset, out: Path, report=print) -> dict:
-    """Train every variant for every seed of ``preset``; writes summary.json and stall.png under ``out``."""
+def char_data(preset: StallPreset, seed: int) -> CharDataModule:
+    return CharDataModule(
+        seq_len=preset.seq_len, batch_size=preset.batch_size, seed=seed, val_batches=preset.val_batches
+    )
+
+
+def run_stall(preset: StallPreset, out: Path, report=print, variants: list[Variant] | None = None) -> dict:
+    """Train every variant (default: ``default_variants``) for every seed of ``preset``; writes
+    summary.json, stall.png and grad_norms.png under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    variants = [Variant("pre", 0), Variant("post", 0), Variant("post", preset.warmup)]
+    variants = variants or default_variants(preset)
     runs = []
     total = len(variants) * len(preset.seeds)
     for seed in preset.seeds:
-        data = CharDataModule(
-            seq_len=preset.seq_len, batch_size=preset.batch_size, seed=seed, val_batches=preset.val_batches
-        )
+        data = char_data(preset, seed)
         for variant in variants:
             report(f"[{len(runs) + 1}/{total}] {variant.label}, seed {seed}")
             runs.append(train_variant(preset, variant, seed, data, out, report))
@@ -227,11 +419,130 @@ def run_stall(preset: StallPreset, out: Path, report=print) -> dict:
         "preset": asdict(preset),
         "unigram": round(data.unigram_entropy, 4),
         "bigram": round(data.bigram_entropy, 4),
+        "variants": aggregate(runs),
+        "grad_norms_at_init": grad_norms_by_variant(runs),
+        "grad_norms_at_init_mlp_c_proj": grad_norms_by_variant(runs, "mlp.c_proj"),
         "runs": runs,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(runs, data.unigram_entropy, data.bigram_entropy, out / "stall.png")
+    plot_grad_norms(runs, out / "grad_norms.png")
     return summary
+
+
+GRID_SETTINGS = [f.name for f in fields(StallPreset) if f.type in ("int", "float", "str")]
+
+
+def parse_axis(text: str, preset: StallPreset) -> tuple[str, list]:
+    """``NAME=V1,V2,...`` for a setting of the preset: (name, values of the setting's type)."""
+    name, _, values = text.partition("=")
+    if name not in GRID_SETTINGS or not values:
+        raise ValueError(f"grid axis {text!r}: want NAME=V1,V2 with NAME one of {', '.join(GRID_SETTINGS)}")
+    kind = type(getattr(preset, name))
+    try:
+        return name, [kind(float(v)) if kind is int else kind(v) for v in values.split(",")]
+    except ValueError:
+        raise ValueError(f"grid axis {text!r}: {name} takes {kind.__name__} values") from None
+
+
+def cell_name(setting: dict) -> str:
+    return "_".join(f"{name}={value}" for name, value in setting.items())
+
+
+def run_grid(
+    preset: StallPreset, variant: Variant, axes: list[tuple[str, list]], out: Path, report=print
+) -> dict:
+    """Train ``variant`` for each cell of the grid (and each seed), one after another. A cell's result
+    is written to ``out/cells/<cell>_seed<S>.json`` when it ends, and a rerun skips the cells found
+    there, so an interrupted grid resumes. Writes grid.json and the heatmap grid.png."""
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    names = [name for name, _ in axes]
+    settings = [dict(zip(names, values, strict=True)) for values in itertools.product(*(v for _, v in axes))]
+    cells, total, done = [], len(settings) * len(preset.seeds), 0
+    for setting in settings:
+        cell_preset = replace(preset, **setting)
+        cell_variant = replace(variant, warmup=setting["warmup"]) if "warmup" in setting else variant
+        runs = []
+        for seed in preset.seeds:
+            done += 1
+            path = out / "cells" / f"{cell_name(setting)}_seed{seed}.json"
+            if path.exists():
+                report(f"[{done}/{total}] {cell_name(setting)}, seed {seed}: done before, skipped")
+                runs.append(json.loads(path.read_text()))
+                continue
+            report(f"[{done}/{total}] {cell_name(setting)}, seed {seed}")
+            run = train_variant(
+                cell_preset,
+                cell_variant,
+                seed,
+                char_data(cell_preset, seed),
+                out / cell_name(setting),
+                report,
+            )
+            partial = path.with_suffix(".partial")
+            partial.write_text(json.dumps(run))
+            partial.rename(path)  # whole or absent: a cell killed mid-write runs again
+            runs.append(run)
+        last = list(runs[0]["loss_at"])[-1]
+        cells.append(
+            {
+                "setting": setting,
+                "final_loss": spread([run["loss_at"][last] for run in runs]),
+                "stalled_seeds": sum(run["stalled"] for run in runs),
+                "seeds": [run["seed"] for run in runs],
+            }
+        )
+    grid = {"preset": asdict(preset), "variant": variant.spec, "axes": dict(axes), "cells": cells}
+    (out / "grid.json").write_text(json.dumps(grid, indent=1))
+    plot_grid(grid, out / "grid.png")
+    return grid
+
+
+def plot_grid(grid: dict, path: Path) -> None:
+    """Heatmap of the final loss (mean over seeds) over the first two axes; stalled cells hatched."""
+    plt = _pyplot()
+    axes = list(grid["axes"].items())
+    (row_name, row_values), (col_name, col_values) = axes[0], axes[1] if len(axes) == 2 else ("", [None])
+    loss = [[float("nan")] * len(col_values) for _ in row_values]
+    stalled = [[""] * len(col_values) for _ in row_values]
+    for cell in grid["cells"]:
+        r = row_values.index(cell["setting"][row_name])
+        c = col_values.index(cell["setting"][col_name]) if col_name else 0
+        loss[r][c] = cell["final_loss"]["mean"]
+        if cell["stalled_seeds"]:
+            stalled[r][c] = f"\nstalled {cell['stalled_seeds']}/{len(cell['seeds'])}"
+    fig, ax = plt.subplots(figsize=(1.6 * len(col_values) + 2.5, 1.1 * len(row_values) + 1.8))
+    image = ax.imshow(loss, cmap="viridis", aspect="auto")
+    for r, c in itertools.product(range(len(row_values)), range(len(col_values))):
+        ax.text(c, r, f"{loss[r][c]:.2f}{stalled[r][c]}", ha="center", va="center", color="white", fontsize=9)
+        if stalled[r][c]:
+            ax.add_patch(
+                plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, hatch="//", edgecolor="red", lw=2)
+            )
+    ax.set_yticks(range(len(row_values)), [str(v) for v in row_values])
+    ax.set_xticks(range(len(col_values)), [str(v) for v in col_values] if col_name else [""])
+    ax.set(
+        ylabel=row_name, xlabel=col_name, title=f"{Variant.parse(grid['variant']).label}: final training loss"
+    )
+    fig.colorbar(image, ax=ax, label=f"nats/char ({SMOOTH}-step mean at the last step)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def grid_table(grid: dict) -> str:
+    names = list(grid["axes"])
+    head = [*names, "final loss", "min-max", "stalled"]
+    rows = [
+        [
+            *(str(cell["setting"][n]) for n in names),
+            f"{cell['final_loss']['mean']:.3f}",
+            f"{cell['final_loss']['min']:.3f}-{cell['final_loss']['max']:.3f}",
+            f"{cell['stalled_seeds']}/{len(cell['seeds'])}",
+        ]
+        for cell in grid["cells"]
+    ]
+    return "\n".join(format_table(head, rows))
 
 
 def main(argv: list[str]) -> int:
@@ -241,7 +552,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--seeds", type=int, nargs="+", help="default: the preset's")
     parser.add_argument("--steps", type=int, help="training steps per run (default: the preset's)")
-    parser.add_argument("--warmup", type=int, help="warmup steps of the third run (default: the preset's)")
+    parser.add_argument(
+        "--warmup", type=int, help="warmup steps of the default third run (default: the preset's)"
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        help="NORM[+warmup=N][+rms], NORM one of pre post deepnorm peri; default: pre post post+warmup=W "
+        "(W: --warmup); with --grid one variant (default: post)",
+    )
+    parser.add_argument(
+        "--grid",
+        nargs="+",
+        metavar="NAME=V1,V2",
+        help=f"one variant over a grid of preset settings, 1 or 2 axes (NAME: {', '.join(GRID_SETTINGS)})",
+    )
     explore = parser.add_argument_group("explore: change one setting of the preset")
     explore.add_argument("--lr", type=float)
     explore.add_argument("--n-embd", type=int, help="width; keep it divisible by --n-head")
@@ -257,18 +582,32 @@ def main(argv: list[str]) -> int:
     preset = replace(PRESETS[args.preset], **{k: v for k, v in overrides.items() if v is not None})
     if preset.steps < 3 or preset.warmup < 1:
         parser.error(f"need --steps >= 3 and --warmup >= 1, got {preset.steps} and {preset.warmup}")
+    try:
+        variants = [Variant.parse(spec) for spec in args.variants] if args.variants else None
+        axes = [parse_axis(text, preset) for text in args.grid] if args.grid else None
+    except ValueError as error:
+        parser.error(str(error))
+    if axes is not None and (len(axes) > 2 or len(variants or [None]) != 1):
+        parser.error("--grid takes one or two axes and one variant")
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     report = (lambda line: None) if args.json else print
     report(f"blocklab stall --preset {args.preset}: {preset}")
     start = time.perf_counter()
-    summary = run_stall(preset, args.out, report)
+    if axes is not None:
+        grid = run_grid(preset, (variants or [Variant("post")])[0], axes, args.out, report)
+        print(json.dumps(grid, indent=1) if args.json else grid_table(grid))
+        if not args.json:
+            seconds = time.perf_counter() - start
+            print(f"wrote {args.out / 'grid.json'} and {args.out / 'grid.png'} in {seconds:.0f} s")
+        return 0
+    summary = run_stall(preset, args.out, report, variants)
     if args.json:
         runs = [{k: v for k, v in run.items() if k != "losses"} for run in summary["runs"]]
         print(json.dumps({**summary, "runs": runs}, indent=1))
     else:
         print(table(summary["runs"], summary["unigram"], summary["bigram"]))
         seconds = time.perf_counter() - start
-        print(f"wrote {args.out / 'summary.json'} and {args.out / 'stall.png'} in {seconds:.0f} s")
+        print(f"wrote {args.out / 'summary.json'}, stall.png and grad_norms.png in {seconds:.0f} s")
         print(f"curves: tensorboard --logdir {args.out}")
     return 0

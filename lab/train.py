@@ -27,6 +27,7 @@ from torchmetrics import MeanMetric
 from lab.config import GPTConfig
 from lab.data import CharDataModule, DataError
 from lab.errors import UserError
+from lab.gradients import block_grad_norms, block_weights, update_ratios
 from lab.model import GPT
 
 TINY = GPTConfig()  # the dataclass's defaults: a tiny valid model
@@ -70,6 +71,8 @@ class LitGPT(L.LightningModule):
         schedule: Literal["constant", "cosine"] = "constant",
         min_lr: float = 0.0,
         max_steps: int | None = None,
+        block_stats_first: int = 0,
+        block_stats_every: int = 0,
         layer_dropout: float = 0.0,
         layer_dropout_curriculum: Literal["constant", "exponential"] = "constant",
         early_exit_loss: float = 0.0,
@@ -87,6 +90,10 @@ class LitGPT(L.LightningModule):
             schedule: After warmup, hold lr (constant) or follow a cosine down to min_lr (cosine).
             min_lr: Where the cosine ends.
             max_steps: Where the cosine ends; default: the trainer's max_steps.
+            block_stats_first: Log each block's gradient norm (grad_norm/blocks.{i}, and of its
+                mlp.c_proj.weight) and Adam's update-to-weight ratio (update_ratio/blocks.{i}) on each
+                of the first this many steps (0: none). They cost a copy of the blocks' weights a step.
+            block_stats_every: And on every this many steps after those (0: never).
             layer_dropout: LayerSkip's layer dropout, the rate of the last block: block l of L is
                 skipped (its stream passes through) per sequence with probability
                 layer_dropout * (2^(l/(L-1)) - 1), none for the first, rising with depth (0: off).
@@ -108,6 +115,8 @@ class LitGPT(L.LightningModule):
         self.val_loss = MeanMetric()
         self.nonfinite_steps = 0
         self.grad_norm: torch.Tensor | None = None  # of the current step, before clipping
+        self.weights_before: list[list[torch.Tensor]] | None = None  # the blocks', on a block-stats step
+        self.skip_update = False  # this step's loss was not finite: drop its gradients
         self.baselines: dict[str, float] = {}
         if not 0.0 <= layer_dropout < 1.0 or early_exit_loss < 0.0 or early_exit_every < 1:
             raise UserError(
@@ -136,7 +145,7 @@ class LitGPT(L.LightningModule):
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor | None:
         """Cross entropy of the batch, logged as ``{stage}/loss`` and ``{stage}/bpc``.
 
-        A non-finite training loss returns None instead (the step is skipped, nothing is logged).
+        A non-finite training loss on any rank returns None on every rank (nothing is logged).
         """
         x, y = batch  # [B, T] each
         hp = self.hparams
@@ -204,27 +213,39 @@ class LitGPT(L.LightningModule):
         return total / weight
 
     def on_validation_epoch_end(self) -> None:
-        self.log("val/bpc", self.val_loss.compute() / math.log(2))
+        # The metrics have already gathered every rank's batches; sync_dist keeps Lightning from warning
+        self.log("val/bpc", self.val_loss.compute() / math.log(2), sync_dist=True)
         if self.hparams.early_exit_loss > 0:
             for i, metric in enumerate(self.val_exit_loss):
-                self.log(f"val/exit_loss/blocks.{i}", metric.compute())
+                self.log(f"val/exit_loss/blocks.{i}", metric.compute(), sync_dist=True)
                 metric.reset()
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict:
+        """The loss; ``skipped`` is True on a step whose loss was not finite (no update is made)."""
         loss = self._step(batch, "train")
-        if loss is None:
-            # Returning None skips backward and the update (Lightning's default would train on a NaN).
+        skipped = loss is None
+        if skipped:
+            # Skip the update (Lightning's default would train on a NaN). Returning None would skip
+            # backward, but Lightning refuses it under DDP (a rank that skips backward never joins the
+            # gradient all-reduce): every rank backpropagates a zero that reaches each parameter, and
+            # on_before_optimizer_step drops those gradients so AdamW leaves every parameter as it was.
+            loss = sum(p.sum() for p in self.parameters()) * 0.0
+            self.skip_update = True
             self.nonfinite_steps += 1
         self.log("train/nonfinite_steps", float(self.nonfinite_steps))
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         for name, nats in self.baselines.items():
             self.log(f"baseline/{name}", nats)
-        return loss
+        return {"loss": loss, "skipped": skipped}
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._step(batch, "val")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.skip_update:
+            optimizer.zero_grad(set_to_none=True)  # AdamW skips parameters without a gradient
+            self.skip_update, self.grad_norm = False, None
+            return
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None  # None: a skipped step
         if self.grad_norm is None:
@@ -236,6 +257,25 @@ class LitGPT(L.LightningModule):
             optimizer.zero_grad(set_to_none=True)
             self.nonfinite_steps += 1
             self.log("train/nonfinite_steps", float(self.nonfinite_steps))
+            return
+        if self.block_stats_due():
+            for name, values in block_grad_norms(self.model).items():
+                suffix = "" if name == "blocks" else f".{name}"
+                for i, value in enumerate(values):
+                    self.log(f"grad_norm/blocks.{i}{suffix}", value)
+            self.weights_before = block_weights(self.model)
+
+    def block_stats_due(self) -> bool:
+        """Whether this optimiser step logs the per-block statistics (``block_stats_first``/``_every``)."""
+        step, hp = self.global_step, self.hparams
+        return step < hp.block_stats_first or bool(hp.block_stats_every and step % hp.block_stats_every == 0)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if self.weights_before is None:
+            return
+        for i, ratio in enumerate(update_ratios(self.model, self.weights_before)):
+            self.log(f"update_ratio/blocks.{i}", ratio)
+        self.weights_before = None
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None

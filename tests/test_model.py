@@ -1,5 +1,6 @@
 """The model: shapes, causality, eager == sdpa, pre vs post, the stream's bookkeeping, block sets."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -223,3 +224,54 @@ def test_padding_counts_against_the_context_by_the_longest_row():
     model(idx, padding=torch.tensor([0, 5]))  # the longest row fills the context exactly
     with pytest.raises(ValueError, match="33 positions exceed the context length 32"):
         model(torch.zeros(2, TINY.block_size + 1, dtype=torch.long), padding=torch.tensor([3, 0]))
+
+
+@pytest.mark.parametrize("norm", ["pre", "post", "deepnorm", "peri"])
+@pytest.mark.parametrize("norm_type", ["layer", "rms"])
+def test_every_norm_variant_runs_forward_and_backward(norm, norm_type):
+    model = GPT(replace(TINY, norm=norm, norm_type=norm_type))
+    logits = model(tokens(2, 8))  # [B, T, V]
+    logits.logsumexp(-1).mean().backward()
+    assert logits.shape == (2, 8, TINY.vocab_size) and torch.isfinite(logits).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.blocks.parameters())
+    norm_class = torch.nn.RMSNorm if norm_type == "rms" else torch.nn.LayerNorm
+    assert isinstance(model.blocks[0].ln_1, norm_class) and isinstance(model.blocks[0].ln_2, norm_class)
+    assert isinstance(model.ln_f, norm_class if norm in ("pre", "peri") else torch.nn.Identity)
+
+
+def test_deepnorm_scales_the_residual_by_alpha_and_the_init_by_beta():
+    cfg = replace(TINY, norm="deepnorm", n_layer=4, n_embd=64, n_head=2)
+    model = GPT(cfg)
+    L, D = cfg.n_layer, cfg.n_embd
+    alpha, beta = (2 * L) ** 0.25, (8 * L) ** -0.25
+    block = model.blocks[0]
+    assert block.alpha == pytest.approx(alpha)
+    # Xavier normal: std = gain * sqrt(2 / (fan_in + fan_out))
+    q, k, v = block.attn.c_attn.weight.detach().split(D, dim=1)
+    assert float(q.std()) == pytest.approx(math.sqrt(2 / (2 * D)), rel=0.1)
+    assert float(v.std()) == pytest.approx(beta * math.sqrt(2 / (2 * D)), rel=0.1)
+    c_proj = block.mlp.c_proj.weight.detach()
+    assert float(c_proj.std()) == pytest.approx(beta * math.sqrt(2 / (5 * D)), rel=0.1)
+    # The residual: with the attention's write zeroed, resid_mid = ln_1(alpha * resid_pre).
+    x = torch.randn(1, 3, D)
+    torch.nn.init.zeros_(block.attn.c_proj.weight)
+    torch.nn.init.zeros_(block.attn.c_proj.bias)
+    with capture(block, ["resid_mid"]) as seen:
+        block(x)
+    torch.testing.assert_close(seen["resid_mid"], block.ln_1(alpha * x))
+    assert GPT(replace(cfg, norm="post")).blocks[0].alpha == 1.0
+
+
+def test_peri_normalises_what_each_stage_writes():
+    # eps far below the writes' variance at init (tiny: GPT-2's init scales c_proj down), so they norm to 1
+    model = GPT(replace(TINY, norm="peri", layer_norm_eps=1e-12)).eval()
+    with torch.no_grad(), capture(model, ["blocks.0.attn_out", "blocks.0.mlp_out", "blocks.0.resid_pre",
+                                          "blocks.0.resid_post"]) as seen:  # fmt: skip
+        model(tokens(1, 8))
+    for name in ("blocks.0.attn_out", "blocks.0.mlp_out"):
+        write = seen[name]  # [1, T, D], after the output LayerNorm (weight 1, bias 0 at init)
+        torch.testing.assert_close(write.mean(-1), torch.zeros(1, 8), atol=1e-5, rtol=0)
+        torch.testing.assert_close(write.var(-1, unbiased=False), torch.ones(1, 8), atol=1e-3, rtol=0)
+    # the stream stays the plain sum of the writes, as in pre-LN
+    total = seen["blocks.0.resid_pre"] + seen["blocks.0.attn_out"] + seen["blocks.0.mlp_out"]
+    torch.testing.assert_close(seen["blocks.0.resid_post"], total)

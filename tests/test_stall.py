@@ -1,11 +1,12 @@
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from lab import stall
-from lab.stall import PRESETS, StallPreset, report_steps, smoothed
+from lab.stall import PRESETS, StallPreset, Variant, report_steps, smoothed
 
 
 @pytest.fixture(autouse=True)
@@ -68,12 +69,104 @@ def test_shortened_stall_writes_summary_plot_and_table(tmp_path, monkeypatch, ca
         below = run["below_bigram_at"]
         assert below is None or 1 <= below <= 30
         assert (out / f"{run['norm']}ln_warmup{run['warmup']}_seed{run['seed']}").is_dir()  # TensorBoard run
+        assert len(run["grad_norms_at_init"]["blocks"]) == 2
     assert (out / "stall.png").stat().st_size > 10_000
+    assert set(summary["grad_norms_at_init"]) == {"pre", "post", "post+warmup=10"}
+    assert [row["stalled_seeds"] <= 2 for row in summary["variants"]] == [True] * 3
 
     printed = capsys.readouterr().out
     assert "post-LN, warmup 10" in printed and "reference lines: unigram" in printed
+    assert "final min-max" in printed  # two seeds: a row per variant with the spread
     assert printed.count("step 100:") == 0  # progress lines come every 100 steps
 
     assert stall.main(["stall", "--steps", "3", "--seeds", "1", "--json", "--out", str(tmp_path / "j")]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert len(printed["runs"]) == 3 and "losses" not in printed["runs"][0]
+
+
+TINY = StallPreset(n_layer=2, n_embd=16, n_head=2, seq_len=8, batch_size=4, lr=3e-3, steps=3, warmup=2)
+
+
+def test_variant_specs_parse_and_label():
+    assert Variant.parse("post+warmup=100") == Variant("post", 100)
+    assert Variant.parse("peri+rms").norm_type == "rms"
+    assert Variant.parse("deepnorm+warmup=5+rms").spec == "deepnorm+warmup=5+rms"
+    assert Variant.parse("peri+rms").label == "Peri-LN, RMSNorm, no warmup"
+    for bad in ("middle", "post+warmup=x", "post+cosine"):
+        with pytest.raises(ValueError, match="variant"):
+            Variant.parse(bad)
+
+
+def test_every_variant_trains_and_reports_grad_norms_at_init(tmp_path):
+    variants = [Variant.parse(spec) for spec in ("deepnorm", "peri+rms")]
+    summary = stall.run_stall(TINY, tmp_path, lambda line: None, variants)
+    assert [run["variant"] for run in summary["runs"]] == ["deepnorm", "peri+rms"]
+    for spec, norms in summary["grad_norms_at_init"].items():
+        assert len(norms) == TINY.n_layer and all(n > 0 for n in norms), spec
+    assert len(summary["grad_norms_at_init_mlp_c_proj"]["deepnorm"]) == TINY.n_layer
+    assert (tmp_path / "grad_norms.png").exists() and (tmp_path / "stall.png").exists()
+    assert (tmp_path / "deepnormln_warmup0_seed1").is_dir() and (
+        tmp_path / "periln_warmup0_rms_seed1"
+    ).is_dir()
+
+
+def fake_run(preset, variant, seed, data, out, report):
+    """What train_variant returns, made up from the settings: a stall when lr is large and no warmup."""
+    stalled = preset.lr >= 2e-3 and variant.warmup == 0
+    final = (3.3 if stalled else 2.0) + seed / 100
+    return {
+        "variant": variant.spec, "norm": variant.norm, "norm_type": variant.norm_type,
+        "warmup": variant.warmup, "seed": seed, "loss_at": {"3": final}, "val_loss": final,
+        "below_bigram_at": None if stalled else 2,
+        "stalled": stalled, "grad_norms_at_init": {"blocks": [1.0, 2.0 * seed], "mlp.c_proj": [0.5, 0.5]},
+        "losses": [final] * 3,
+    }  # fmt: skip
+
+
+def test_seeds_are_aggregated_per_variant(monkeypatch):
+    monkeypatch.setattr(stall, "train_variant", fake_run)
+    preset = replace(TINY, lr=2e-3)
+    runs = [
+        fake_run(preset, v, seed, None, None, None) for seed in (1, 7) for v in stall.default_variants(preset)
+    ]
+    rows = stall.aggregate(runs)
+    assert [row["variant"] for row in rows] == ["pre", "post", "post+warmup=2"]
+    assert [row["stalled_seeds"] for row in rows] == [2, 2, 0]
+    assert rows[2]["final_loss"] == {"mean": pytest.approx(2.04), "min": 2.01, "max": 2.07}
+    assert stall.grad_norms_by_variant(runs)["pre"] == [1.0, 8.0]  # block 1: (2 + 14) / 2
+    printed = stall.table(runs, 3.25, 2.48)
+    assert "2/2" in printed and "2.010-2.070" in printed
+
+
+def test_grid_runs_every_cell_and_a_rerun_skips_the_done_ones(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(stall, "train_variant", lambda *a: calls.append(a) or fake_run(*a))
+    monkeypatch.setitem(PRESETS, "cpu", TINY)
+    args = ["stall", "--grid", "lr=1e-3,2e-3", "warmup=0,5", "--seeds", "1", "--out", str(tmp_path)]
+    assert stall.main(args) == 0
+    assert len(calls) == 4
+    assert {(a[0].lr, a[1].warmup) for a in calls} == {(1e-3, 0), (1e-3, 5), (2e-3, 0), (2e-3, 5)}
+    grid = json.loads((tmp_path / "grid.json").read_text())
+    assert [c["stalled_seeds"] for c in grid["cells"]] == [0, 0, 1, 0]
+    assert (tmp_path / "grid.png").exists()
+
+    (tmp_path / "cells" / "lr=0.002_warmup=5_seed1.json").unlink()  # as if killed during that cell
+    calls.clear()
+    assert stall.main(args) == 0
+    assert [(a[0].lr, a[1].warmup) for a in calls] == [(2e-3, 5)]
+    assert "done before, skipped" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        stall.main(["stall", "--grid", "betas=1,2"])
+
+
+@pytest.mark.slow
+def test_the_gpu_preset_starts_and_trains_on_the_cpu(tmp_path, capsys):
+    """No GPU here: the preset's structure (6 blocks, bf16-mixed, its optimiser) runs 3 steps, smaller."""
+    small = ["--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "4"]
+    args = ["stall", "--preset", "gpu", "--steps", "3", "--seeds", "1", "--variants", "post", *small]
+    assert stall.main([*args, "--json", "--out", str(tmp_path)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["preset"]["precision"] == "bf16-mixed" and summary["preset"]["n_layer"] == 6
+    (run,) = summary["runs"]
+    assert all(math.isfinite(loss) for loss in run["loss_at"].values())
+    assert len(summary["grad_norms_at_init"]["post"]) == 6

@@ -13,14 +13,13 @@ import torch
 from lab import cli
 from lab.config import GPTConfig
 from lab.data import CharDataModule
+from lab.gradients import grad_norms_at_init
 from lab.train import STREAM_TRAINER_ARGS, LitGPT, learning_rate, main
 
 TINY_MODEL = ["--model.config.n_layer", "2", "--model.config.n_head", "2", "--model.config.n_embd", "16"]
 TINY_DATA = ["--model.config.block_size", "16", "--data.seq_len", "16", "--data.batch_size", "4"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 
 
 @pytest.fixture
@@ -284,3 +283,53 @@ def test_sigkill_mid_fit_then_resume_matches_an_uninterrupted_run(tmp_path, text
     for name, tensor in a["state_dict"].items():
         assert torch.isfinite(tensor).all()
         assert torch.equal(tensor, b["state_dict"][name]), name
+
+
+def test_block_stats_are_logged_on_the_first_steps_and_every_n(tmp_path, text_file):
+    lit = LitGPT(GPTConfig(n_layer=3, n_embd=16, block_size=16, vocab_size=64), block_stats_first=2,
+                 block_stats_every=3)  # fmt: skip
+    logged: list[tuple[int, str]] = []
+    log = lit.log
+    lit.log = lambda name, value, **kw: (logged.append((lit.global_step, name)), log(name, value, **kw))
+    trainer = tiny_trainer(tmp_path, 5)
+    trainer.fit(lit, tiny_data(text_file))
+    steps = sorted({step for step, name in logged if name == "grad_norm/blocks.0"})
+    assert steps == [0, 1, 3]
+    for i in range(3):
+        assert trainer.callback_metrics[f"grad_norm/blocks.{i}"] > 0
+        assert trainer.callback_metrics[f"grad_norm/blocks.{i}.mlp.c_proj"] > 0
+        assert 0 < trainer.callback_metrics[f"update_ratio/blocks.{i}"] < 1
+    assert lit.weights_before is None
+
+
+def test_grad_norms_at_init_give_one_float_per_block_and_leave_no_gradient():
+    model = LitGPT(GPTConfig(n_layer=3, n_embd=16, block_size=16, vocab_size=64)).model
+    batches = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(2)]
+    norms = grad_norms_at_init(model, batches)
+    assert set(norms) == {"blocks", "mlp.c_proj"}
+    assert all(len(v) == 3 and all(x > 0 for x in v) for v in norms.values())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_ddp_on_two_cpu_processes_splits_batches_agrees_on_skips_and_ends_equal(tmp_path, text_file):
+    script = Path(__file__).parent / "ddp_fit.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), text_file],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sync_dist" not in done.stderr  # epoch-level validation logs are synced across ranks
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert rank0["global_step"] == rank1["global_step"] == 5
+    assert len(rank0["batches"]) == len(rank1["batches"]) == 5
+    assert all(a != b for a, b in zip(rank0["batches"], rank1["batches"], strict=True))  # different batches
+    assert rank0["nonfinite_steps"] == rank1["nonfinite_steps"] == 1  # rank 1's NaN skipped on both
+    for name, weight in rank0["weights"].items():
+        assert torch.isfinite(weight).all()
+        assert torch.equal(weight, rank1["weights"][name]), name
+    assert rank0["val_loss"] == pytest.approx(rank1["val_loss"])

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from lab.analysis import common
 from lab.hooks import capture
-from lab.model import GPT
+from lab.model import GPT, NORM_FIRST
 
 STREAM = ["embed", "blocks.*.resid_pre", "blocks.*.attn_out", "blocks.*.resid_mid", "blocks.*.mlp_out",
           "blocks.*.resid_post"]  # fmt: skip
@@ -51,7 +51,7 @@ def stream_report(model: GPT, ids: list[int]) -> dict:
         norm = {"pre": pre, "attn": attn, "mid": mid, "mlp": mlp, "post": post}
         norm = {name: t.norm(dim=-1) for name, t in norm.items()}  # [T] each
         bookkeeping = None
-        if model.config.norm == "pre":
+        if model.blocks[i].norm_first:  # the stream is the plain sum of the writes
             bookkeeping = float(((post - (pre + attn + mlp)).norm(dim=-1) / norm["post"]).max())
         rows.append(
             {
@@ -97,13 +97,13 @@ def render(report: dict) -> str:
         "",
         common.table(columns, lines),
     ]
-    if report["norm"] == "pre":
+    if report["norm"] in NORM_FIRST:
         out.append(
             "bookkeeping: the largest over positions of "
             "‖resid_post - (resid_pre + attn_out + mlp_out)‖ / ‖resid_post‖"
         )
     else:
-        out.append("bookkeeping: - (post-LN normalises each sum, so the stream is not the sum of the writes)")
+        out.append("bookkeeping: - (post-LN, DeepNorm normalise each sum: the stream is not the writes' sum)")
     if report.get("png"):
         out.append(f"wrote {report['png']}")
     return "\n".join(out)

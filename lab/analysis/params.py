@@ -31,7 +31,7 @@ def counted(model: GPT) -> dict[str, int]:
     return {
         "attention": n(block.attn),
         "feed-forward": n(block.mlp),
-        "norms": n(block.ln_1, block.ln_2),
+        "norms": n(block.ln_1, block.ln_2, block.ln_1_out, block.ln_2_out),
         "block": n(block),
         "blocks": n(model.blocks),
         "token table": model.wte.weight.numel(),

@@ -27,7 +27,7 @@ def describe(block: Block, batch: int, T: int) -> dict:
     """Run ``block`` on a random [batch, T, D] stream and describe its six named tensors."""
     attn, mlp = block.attn, block.mlp
     D, H, Dh = attn.c_proj.weight.shape[1], attn.n_head, attn.head_dim
-    pre = block.norm == "pre"
+    pre = block.norm_first  # peri as well: the stage reads ln_1(x)
     # Each tensor: hook name, symbolic shape, the modules whose weights make it, FLOPs per token, mixes?
     # (pre-LN: each stage's LayerNorm sits on its input; post-LN: on the sum, i.e. the next stream.)
     spec = [
