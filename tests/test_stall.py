@@ -3,19 +3,13 @@ import math
 from dataclasses import replace
 
 import pytest
-import torch
 
 from lab import stall
 from lab.stall import PRESETS, StallPreset, Variant, report_steps, smoothed
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models step faster on one thread, and far faster when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
 
 
 def test_smoothed_is_a_trailing_mean_that_ignores_skipped_steps():
