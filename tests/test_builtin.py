@@ -93,3 +93,22 @@ def test_the_early_exit_recipe_saves_builtin_early_exit(tmp_path, monkeypatch):
     assert model.config.n_layer == 2 and model.exit_probe is not None
     with pytest.raises(FileNotFoundError, match="blocklab builtin`"):
         load_model("builtin")  # the plain one is a model of its own, not made here
+
+
+def test_muon_orthogonalises_in_fp32_as_torch_does_in_bf16():
+    """lab.builtin.Muon is torch.optim.Muon's update with the Newton-Schulz iteration in fp32 (torch
+    casts to bf16, slow on CPUs without bf16 units): the same steps up to bf16's rounding."""
+    from lab.builtin import Muon
+
+    ours = torch.nn.Parameter(torch.randn(384, 128))
+    theirs = torch.nn.Parameter(ours.detach().clone())
+    start = ours.detach().clone()
+    mine = Muon([ours], lr=0.02, weight_decay=0.1)
+    reference = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1)
+    for _ in range(5):
+        grad = torch.randn(384, 128)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        mine.step()
+        reference.step()
+    assert float((ours.detach() - start).norm()) > 0.05  # it moved, as torch's did
+    assert torch.allclose(ours.detach(), theirs.detach(), atol=1e-3)
