@@ -109,6 +109,20 @@ def headline(runs: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
+def cpu_description() -> str:
+    """The CPU's model and its widest vector units (bf16 and fp32 speeds hinge on them), from Linux's
+    /proc/cpuinfo; the architecture elsewhere."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    model = fields.get("model name\t", platform.machine()).strip()
+    flags = set(fields.get("flags\t\t", "").split())
+    units = [name for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if name in flags]
+    return f"{model} ({', '.join(units) or 'no AVX2'})"
+
+
 def render(runs: dict, meta: dict) -> str:
     lines = [
         "# Benchmarks",
@@ -177,7 +191,7 @@ def main() -> None:
         "command": "python scripts/bench_all.py",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "seconds": time.monotonic() - started,
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_description(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "versions": {name: version(name) for name in ("torch", "lightning", "litserve", "transformers")},
