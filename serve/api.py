@@ -254,12 +254,13 @@ class ContinuousLoop(SeamLoop):
             while engine.capacity > 0 and self._admit(lit_api, request_queue, transport, routes):
                 pass
             try:
-                events = engine.tick()
+                for events in engine.tick_parts():  # each part's events leave at once
+                    for uid, event in events:
+                        self._send(transport, routes, uid, event)
             except Exception as error:  # a bug outside the engine's per-row handling: fail what it holds
                 logger.exception("engine tick failed")
-                events = engine.abort(error)
-            for uid, event in events:
-                self._send(transport, routes, uid, event)
+                for uid, event in engine.abort(error):
+                    self._send(transport, routes, uid, event)
             if len(routes) > len(engine.rows):  # cancelled jobs leave the engine without an event
                 held = {row.key for row in engine.rows}
                 for uid in [uid for uid in routes if uid not in held]:

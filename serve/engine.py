@@ -267,25 +267,33 @@ class Engine:
             raise RuntimeError(f"the engine runs {self.max_rows} rows at most")
         self.rows.append(_Row(key, job, self.model, time.monotonic()))
 
-    @torch.inference_mode()
     def tick(self) -> list[tuple[Hashable, dict]]:
         """Retire, prefill a chunk, decode a step; the (key, event) pairs of jobs with news. Each job
         ends with one ``done`` or ``error`` event, or silently once cancelled."""
-        events = self._retire()
-        decoding = [row for row in self.rows if row.prefilled]
-        budget = self.prefill_chunk if decoding else self.model.config.block_size
-        for row in [row for row in self.rows if not row.prefilled]:
-            if budget <= 0:
-                break
-            while budget > 0 and not row.prefilled and row in self.rows:
-                budget -= min(self.prefill_chunk, len(row.feed) - row.fed)
-                events += self._guarded(row, self._prefill_chunk)
-        shared = [row for row in decoding if row.speculator is None]
-        if shared:
-            events += self._decode(shared)
-        for row in decoding:
-            if row.speculator is not None and row in self.rows:
-                events += self._guarded(row, self._speculate)
+        return [event for part in self.tick_parts() for event in part]
+
+    def tick_parts(self) -> Iterator[list[tuple[Hashable, dict]]]:
+        """``tick`` a part at a time (after retiring, after each prefill chunk, after the decode
+        step), so that a caller can send each part's events at once: a prompt's first token leaves
+        when its prefill ends, not when the tick does."""
+        with torch.inference_mode():
+            yield self._counted(self._retire())
+            decoding = [row for row in self.rows if row.prefilled]
+            budget = self.prefill_chunk if decoding else self.model.config.block_size
+            for row in [row for row in self.rows if not row.prefilled]:
+                if budget <= 0:
+                    break
+                while budget > 0 and not row.prefilled and row in self.rows:
+                    budget -= min(self.prefill_chunk, len(row.feed) - row.fed)
+                    yield self._counted(self._guarded(row, self._prefill_chunk))
+            shared = [row for row in decoding if row.speculator is None]
+            if shared:
+                yield self._counted(self._decode(shared))
+            for row in decoding:
+                if row.speculator is not None and row in self.rows:
+                    yield self._counted(self._guarded(row, self._speculate))
+
+    def _counted(self, events: list[tuple[Hashable, dict]]) -> list[tuple[Hashable, dict]]:
         for _, event in events:
             if event["event"] == "done":
                 self.tally("requests_done", 1)

@@ -411,3 +411,13 @@ def test_decode_request_rejects_what_does_not_fit_the_model():
     assert isinstance(accepted, Job) and accepted.block_set == BlockSet(skip=frozenset({0}))
     events = [event for tick in api.predict([rejected, accepted]) for event in tick]
     assert {position for position, _ in events} == {0, 1}
+
+
+def test_a_prompts_first_token_leaves_when_its_prefill_ends(model):
+    """``tick_parts``: requests arriving together are prefilled one after another in a tick, and
+    each one's first token is a part of its own, sent before the next prompt's prefill runs."""
+    engine = Engine(model)
+    for key in ("a", "b", "c"):
+        engine.add(key, job(max_new_tokens=3, stream=True))
+    parts = [[key for key, _ in part] for part in engine.tick_parts()]
+    assert [keys for keys in parts if keys] == [["a"], ["b"], ["c"]]
