@@ -604,8 +604,11 @@ async def _run(args: argparse.Namespace, slo: dict[str, float]) -> tuple[list[Su
                 for sets in runs:
                     progress.set_description(f"{'+'.join(sets)}" + (f" @ {rate:g}/s" if rate else ""))
                     n = requests * len(sets)
+                    # mixed: each block set gets the same prompts, interleaved, so their losses compare
                     bodies = [
-                        request_body(prompts[i % len(prompts)], sets[i % len(sets)], args.max_new_tokens)
+                        request_body(
+                            prompts[(i // len(sets)) % len(prompts)], sets[i % len(sets)], args.max_new_tokens
+                        )
                         for i in range(n)
                     ]
                     samples, wall_s = await run_requests(
