@@ -164,8 +164,6 @@ def test_open_loop_sweep_with_mixed_block_sets_against_a_real_server(tmp_path, c
     assert set(rows) == {(4.0, "all"), (4.0, "exit=1"), (16.0, "all"), (16.0, "exit=1")}
     for (_, block_set), row in rows.items():
         assert row["completed"] == 4 and row["errors"] == 0 and row["concurrency"] is None
-    # every block set scored the same prompts: exit=1's loss differs from all's by the depth alone
-    assert rows[(4.0, "all")]["mean_loss"] == rows[(16.0, "all")]["mean_loss"]
         assert row["request_goodput"] == row["request_throughput"]  # a minute meets every request
         assert row["mean_blocks_per_token"] == (1.0 if block_set == "exit=1" else 4.0)
     assert (tmp_path / "latency_vs_rate.png").stat().st_size > 1000
