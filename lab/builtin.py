@@ -94,7 +94,7 @@ RECIPES = {
 def orthogonalize(update: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
     """Muon's Newton-Schulz iteration (Jordan et al. 2024, torch.optim.Muon's coefficients) for a
     matrix [A, B], in its own dtype: torch's casts to bf16, which a CPU without bf16 units (AVX2 only)
-    runs over ten times slower than fp32, most of a builtin training step."""
+    runs far slower than fp32 (docs/inference.md has the measurement)."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = update.T if update.size(0) > update.size(1) else update  # [small, large]
     x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
