@@ -225,7 +225,7 @@ class _Row:
         self.generator = torch.Generator(device=model.wte.weight.device).manual_seed(job.seed)
         self.fixed_blocks = None if job.block_set.is_adaptive else self.decoder.blocks
         self.fed = 0  # prompt tokens prefilled so far
-        self.losses: list[torch.Tensor] = []
+        self.scores: list[torch.Tensor] = []  # per prefill chunk, _scores' [n, 3]
         self.last_token: int | None = None  # the token to feed at the next step, once prefilled
 
     @property
@@ -375,13 +375,13 @@ class Engine:
         stream = row.decoder.extend(row.feed[row.fed : chunk_end])  # [t, D]
         targets = row.loss_targets[row.fed : chunk_end]
         if targets:
-            row.losses.append(_scores(self.model, stream, targets))
+            row.scores.append(_scores(self.model, stream, targets))
         row.fed = chunk_end
         progress.prefill_s += time.monotonic() - start
         if row.fed < len(row.feed):
             return []
-        if row.losses:
-            progress.scored(torch.cat(row.losses))
+        if row.scores:
+            progress.scored(torch.cat(row.scores))
         if job.max_new_tokens == 0:
             progress.blocks_per_token = [len(row.fixed_blocks)] * len(job.prompt_tokens[1:])
             self._finish(row)
