@@ -36,11 +36,11 @@ from lab import tokens
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
 from lab.corpora import HELD_OUT_EVERY, stdlib_files
-from lab.exit_probe import ExitProbe, fit_exit_probe, load_exit_probe, save_exit_probe
+from lab.exit_probe import ExitProbe, fit_exit_probe_on_files, load_exit_probe, save_exit_probe
 from lab.model import GPT
-from lab.token_data import TokenDataModule
-from lab.train import STREAM_TRAINER_ARGS, LitGPT, learning_rate
-from lab.weights import FORMAT_FILE, build_model, builtin_dir, load_model, read_metadata, save_model
+from lab.token_data import TokenDataModule, lowest_log_normaliser, ngram_baselines, widen_vocabulary
+from lab.train import STREAM_TRAINER_ARGS, LitGPT
+from lab.weights import FORMAT_FILE, builtin_dir, load_model, read_metadata, save_model
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Recipe:
     minutes: float = 10.0
     """Budget of the whole command (corpus, training, evaluation); training stops here regardless."""
     muon_lr: float = 0.02
-    """Muon's learning rate for the blocks' matrices (see ``BuiltinLit``)."""
+    """Muon's learning rate for the blocks' matrices (``lab.optim``)."""
     lr: float = 3e-3
     """AdamW's learning rate for the token and position tables, norms and biases."""
     min_lr_fraction: float = 0.1
@@ -76,178 +76,37 @@ class Recipe:
     seed: int = 1
     layer_dropout: float = 0.0
     """LayerSkip's layer dropout at the last block (``lab.train.LitGPT``); 0: off."""
+    layer_dropout_curriculum: str = "constant"
+    """constant, or exponential: the rates grow from none to full over training."""
     early_exit_loss: float = 0.0
     """LayerSkip's early-exit loss scale (``lab.train.LitGPT``); 0: off."""
     early_exit_every: int = 1
     """Its rotational curriculum: every this-many-th block's read-out trained per step."""
+    early_exit_tokens: float = 1.0
+    """The share of a batch's positions whose exit losses are computed (``lab.train.LitGPT``)."""
 
 
 RECIPES = {
     "plain": {},
-    # LayerSkip's recipe at the builtin's size: one block's read-out in three trained per step keeps
-    # the extra unembeddings (the compact vocabulary's) to a third of the blocks
-    "early-exit": {"layer_dropout": 0.1, "early_exit_loss": 1.0, "early_exit_every": 3},
+    # LayerSkip's recipe at the builtin's size. At width 128 one read-out (the compact vocabulary's
+    # unembedding) costs about half a plain step, and in a ten-minute budget every step counts: exits
+    # are trained on every other block per step and a 32nd of the positions, which costs a few
+    # percent per step (the s/step `blocklab builtin` prints). Their weights together are about a
+    # quarter of the last block's, and layer dropout is mild and rises from none as training goes
+    # (LayerSkip's pretraining curriculum): a few hundred steps leave no depth to spare.
+    "early-exit": {
+        "layer_dropout": 0.05,
+        "layer_dropout_curriculum": "exponential",
+        "early_exit_loss": 0.1,
+        "early_exit_every": 2,
+        "early_exit_tokens": 1 / 32,
+    },
 }
 """``blocklab builtin --recipe NAME``: the Recipe fields each one sets."""
 
 
-def orthogonalize(update: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """Muon's Newton-Schulz iteration (Jordan et al. 2024, torch.optim.Muon's coefficients) for a
-    matrix [A, B], in its own dtype: torch's casts to bf16, which a CPU without bf16 units (AVX2 only)
-    runs far slower than fp32 (docs/inference.md has the measurement)."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = update.T if update.size(0) > update.size(1) else update  # [small, large]
-    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
-    for _ in range(steps):
-        gram = x @ x.T  # [small, small]
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if update.size(0) > update.size(1) else x
-
-
-class Muon(torch.optim.Muon):
-    """torch.optim.Muon's update (Nesterov momentum, orthogonalised, scaled by sqrt(max(1, A/B)),
-    decoupled weight decay) with the Newton-Schulz iteration in the parameters' dtype
-    (``orthogonalize``)."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, momentum = group["lr"], group["momentum"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(param)
-                buf = state["momentum_buffer"]
-                buf.lerp_(param.grad, 1 - momentum)
-                update = param.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = orthogonalize(update, group["ns_steps"], group["eps"])
-                param.mul_(1 - lr * group["weight_decay"])
-                param.add_(update, alpha=-lr * math.sqrt(max(1.0, param.size(0) / param.size(1))))
-        return loss
-
-
-class MuonAdamW(torch.optim.Optimizer):
-    """Muon for some parameters and AdamW for the rest, stepped as one optimiser.
-
-    Lightning's automatic optimisation drives one optimiser: this one holds both and shares their
-    param groups, so the learning-rate schedule, gradient clipping and ``zero_grad`` reach every
-    parameter.
-    """
-
-    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW):
-        self.muon, self.adamw = muon, adamw
-        super().__init__(muon.param_groups + adamw.param_groups, {})  # the same group dicts
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:  # Lightning passes forward + backward as the closure
-            with torch.enable_grad():
-                loss = closure()
-        self.muon.step()
-        self.adamw.step()
-        return loss
-
-
-class BuiltinLit(LitGPT):
-    """``LitGPT`` with Muon (orthogonalised momentum, Jordan et al. 2024) for the blocks' matrices.
-
-    The builtin model has a few hundred steps; measured on this corpus (300 steps, 12 x 128, batch
-    8 x 256), Muon for the blocks' weight matrices with AdamW for the tables, norms and biases reached
-    a validation loss of 3.39 nats/token where AdamW alone reached 4.26. Loss, metrics and the
-    schedule are LitGPT's; only the optimiser differs, and with ``train_seconds`` the schedule also
-    follows the clock: it stands at whichever is further along, the step or the elapsed share of
-    ``train_seconds``, so a machine slower than measured still ends its cosine on time.
-    """
-
-    def __init__(
-        self, config: GPTConfig, muon_lr: float = 0.02, train_seconds: float | None = None, **kwargs
-    ):
-        super().__init__(config, **kwargs)
-        self.muon_lr = muon_lr
-        self.train_seconds = train_seconds
-
-    def configure_optimizers(self):
-        hp = self.hparams
-        matrices = {
-            n: p for n, p in self.model.named_parameters() if n.startswith("blocks.") and p.dim() == 2
-        }
-        rest = [p for n, p in self.model.named_parameters() if n not in matrices]
-        muon = Muon(list(matrices.values()), lr=self.muon_lr, weight_decay=0.0)
-        adamw = torch.optim.AdamW(
-            [
-                {"params": [p for p in rest if p.dim() >= 2], "weight_decay": hp.weight_decay},
-                {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
-            ],
-            lr=hp.lr,
-            betas=tuple(hp.betas),
-        )
-        optimizer = MuonAdamW(muon, adamw)
-        max_steps = hp.max_steps or self.trainer.max_steps
-
-        started = time.monotonic()
-
-        def factor(step: int) -> float:  # LitGPT's schedule, as a fraction of each group's own rate
-            if self.train_seconds:
-                step = max(step, int(max_steps * (time.monotonic() - started) / self.train_seconds))
-            return learning_rate(step, 1.0, hp.warmup_steps, hp.schedule, hp.min_lr / hp.lr, max_steps)
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
 UNSEEN_MARGIN = 15.0
 """Nats below the lowest log-normaliser seen on validation text at which never-seen tokens sit."""
-
-
-def widen_vocabulary(model: GPT, gpt2_ids: torch.Tensor, unseen_logit: float) -> GPT:
-    """The compact-vocabulary model as a GPT-2-vocabulary one: row ``gpt2_ids[i]`` gets compact row i,
-    and every never-seen token a row whose logit is ``unseen_logit`` whatever the input.
-
-    Why a constant: ln_f(x) = gamma * n + beta with n the normalised stream, which sums to zero over
-    the width. For the row w = k / gamma the logit is ln_f(x) . w = k * sum(n) + k * sum(beta / gamma)
-    = k * sum(beta / gamma), the same for every x; k sets it to ``unseen_logit``.
-    """
-    state = dict(model.state_dict())
-    gamma, beta = state["ln_f.weight"], state["ln_f.bias"]  # [D] each
-    per_unit = float((beta / gamma).sum())  # the logit of the row 1 / gamma
-    if abs(per_unit) < 1e-3:
-        raise ValueError(f"ln_f's sum(beta / gamma) is {per_unit:.2e}: no row gives a constant low logit")
-    compact = state["wte.weight"]  # [V_seen, D]
-    table = (unseen_logit / per_unit / gamma).expand(tokens.VOCAB_SIZE, -1).clone()  # [50257, D]
-    table[gpt2_ids] = compact
-    state["wte.weight"] = table
-    cfg = dataclasses.replace(model.config, vocab_size=tokens.VOCAB_SIZE, dropout=0.0)
-    return build_model(cfg, state, "builtin (widened)")
-
-
-@torch.inference_mode()
-def lowest_log_normaliser(model: GPT, dm: TokenDataModule) -> float:
-    """The smallest logsumexp of the compact model's logits over the validation positions."""
-    return min(float(torch.logsumexp(model(x), dim=-1).min()) for x, _ in dm.val_dataloader())
-
-
-def ngram_baselines(dm: TokenDataModule, smoothing: float = 100.0) -> dict[str, float]:
-    """Count models of the training split scored on the validation windows (nats/token): the unigram,
-    and the bigram interpolated with it, p(y | x) = (c(x, y) + smoothing * p(y)) / (c(x) + smoothing)."""
-    V, train = dm.vocab_size, dm.train_ids
-    unigram = torch.bincount(train, minlength=V).double() + 0.5  # [V]
-    unigram /= unigram.sum()
-    pairs, counts = torch.unique(train[:-1] * V + train[1:], return_counts=True)  # sorted pair ids
-    firsts = torch.bincount(train[:-1], minlength=V).double()  # [V]
-    xs, ys = zip(*dm.val_dataloader(), strict=True)
-    x, y = torch.cat(xs).flatten(), torch.cat(ys).flatten()  # [N] each
-    wanted = x * V + y  # [N]
-    at = torch.searchsorted(pairs, wanted).clamp(max=len(pairs) - 1)  # [N]
-    pair_counts = torch.where(pairs[at] == wanted, counts[at], 0).double()  # [N]
-    bigram = (pair_counts + smoothing * unigram[y]) / (firsts[x] + smoothing)  # [N]
-    return {"unigram": float(-unigram[y].log().mean()), "bigram": float(-bigram.log().mean())}
 
 
 @torch.inference_mode()
@@ -281,6 +140,12 @@ def evaluate(model: GPT, compact: GPT, dm: TokenDataModule) -> dict:
     }
 
 
+def layerskip_options(recipe: Recipe) -> dict:
+    """The recipe's LayerSkip fields, as ``LitGPT`` takes them."""
+    names = [f.name for f in dataclasses.fields(Recipe) if f.name.startswith(("layer_dropout", "early_exit"))]
+    return {name: getattr(recipe, name) for name in names}
+
+
 def seconds_per_step(
     cfg: GPTConfig,
     initial: dict,
@@ -294,7 +159,9 @@ def seconds_per_step(
     torch threads at ``precision``, measured on a throwaway copy of the model. A setting whose first
     step takes longer than ``give_up_after`` seconds is abandoned (inf): it cannot be the fastest."""
     torch.set_num_threads(threads)
-    probe = BuiltinLit(cfg, muon_lr=recipe.muon_lr, lr=recipe.lr, max_steps=1)
+    probe = LitGPT(
+        cfg, optimizer="muon", muon_lr=recipe.muon_lr, lr=recipe.lr, max_steps=1, **layerskip_options(recipe)
+    )
     probe.model.load_state_dict(initial)
     optimizer = probe.configure_optimizers()["optimizer"]
     x, y = next(iter(dm.train_dataloader()))  # [B, T] each
@@ -302,8 +169,8 @@ def seconds_per_step(
     for _ in range(3):  # the first is a warm-up
         start = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            logits = probe.model(x)  # [B, T, V]
-        F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).backward()
+            loss, _ = probe.objective(x, y)  # the recipe's own step: its read-outs cost time too
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
@@ -351,21 +218,26 @@ def _create(recipe: Recipe, directory: Path) -> dict:
             if seconds < step_seconds:
                 step_seconds, threads, precision = seconds, n, p
     torch.set_num_threads(threads)
-    # The evaluation at the end: a validation batch forward is ~1/3 of a step, for each of n_layer + 2
-    # passes (the widened model once, the compact one with each block skipped), and the baselines.
-    evaluation = 0.5 * recipe.eval_batches * (recipe.n_layer + 2) * step_seconds + 5 + PROBE_SECONDS
+    # The evaluation at the end: a validation batch forward is ~1/3 of a plain step, for each of
+    # 1.5 n_layer + 2 passes (the widened model once, the compact one with each block skipped, the
+    # exits at half a pass each on average), and the baselines.
+    evaluation = 0.5 * recipe.eval_batches * (1.5 * recipe.n_layer + 2) * step_seconds + 5 + PROBE_SECONDS
     train_seconds = recipe.minutes * 60 - (time.perf_counter() - started) - evaluation
-    max_steps = recipe.max_steps or max(int(train_seconds / step_seconds), 10)
+    # Validation runs VALIDATIONS times inside the training time: eval_batches forwards of ~1/3 of a plain
+    # step each, plus (under the early-exit loss) every block's read-out, half a forward each.
+    passes = 1 + (recipe.n_layer - 1) / 2 if recipe.early_exit_loss > 0 else 1
+    validation = VALIDATIONS * recipe.eval_batches * passes * step_seconds / 3
+    max_steps = recipe.max_steps or max(int((train_seconds - validation) / step_seconds), 10)
     print(
         f"{step_seconds:.2f} s/step with {threads} thread(s) at {precision}: training {max_steps} steps",
         file=sys.stderr,
     )
-    lit = BuiltinLit(
-        cfg, muon_lr=recipe.muon_lr, train_seconds=train_seconds if recipe.max_steps is None else None,
+    lit = LitGPT(
+        cfg, optimizer="muon", muon_lr=recipe.muon_lr,
+        train_seconds=train_seconds if recipe.max_steps is None else None,
         lr=recipe.lr, weight_decay=recipe.weight_decay,
         warmup_steps=max(max_steps // 10, 1), schedule="cosine", min_lr=recipe.lr * recipe.min_lr_fraction,
-        max_steps=max_steps, layer_dropout=recipe.layer_dropout, early_exit_loss=recipe.early_exit_loss,
-        early_exit_every=recipe.early_exit_every,
+        max_steps=max_steps, **layerskip_options(recipe),
     )  # fmt: skip
     lit.model.load_state_dict(initial)
     with tempfile.TemporaryDirectory() as scratch:
@@ -378,7 +250,7 @@ def _create(recipe: Recipe, directory: Path) -> dict:
             max_steps=max_steps,
             max_epochs=1,
             limit_train_batches=max_steps,  # one "epoch" is the whole run: the bar shows its end
-            val_check_interval=max(max_steps // 4, 1),
+            val_check_interval=max(max_steps // VALIDATIONS, 1),
             limit_val_batches=recipe.eval_batches,
             num_sanity_val_steps=0,
             max_time={"seconds": max(train_seconds, 1)},
@@ -415,41 +287,22 @@ def _create(recipe: Recipe, directory: Path) -> dict:
         model.exit_probe = fit_probe(model, files, recipe.val_every)
         report["total_seconds"] = round(time.perf_counter() - started, 1)
         save_model(model, directory, metadata=report)  # with the probe
-        shutil.copytree(logs, directory / "logs", dirs_exist_ok=True)  # TensorBoard: train/loss, val/loss
+        shutil.rmtree(directory / "logs", ignore_errors=True)  # a model made again: only its own run
+        shutil.copytree(logs, directory / "logs")  # TensorBoard: train/loss, val/loss
     return report
 
 
-PROBE_WINDOWS = 32
-"""Windows of the model's context from training files that the exit probe is fitted on."""
+VALIDATIONS = 4
+"""Validations during training (TensorBoard's val/loss curve)."""
 PROBE_SECONDS = 30
 """What fitting the probe takes on 2 cores (reserved from the training budget)."""
 
 
-def probe_windows(
-    files: list[Path], length: int, val_every: int, count: int = PROBE_WINDOWS
-) -> list[list[int]]:
-    """``count`` windows of ``length`` tokens from the middle of training files (never the held-out
-    ones, every ``val_every``-th), spread over the standard library."""
-    training = [path for i, path in enumerate(files) if i % val_every != 0]
-    windows = []
-    for path in training[:: max(len(training) // (2 * count), 1)]:
-        ids = tokens.encode(path.read_text(encoding="utf-8", errors="replace"))
-        if len(ids) >= 2 * length:
-            windows.append(ids[len(ids) // 3 : len(ids) // 3 + length])
-        if len(windows) == count:
-            break
-    return windows
-
-
 def fit_probe(model: GPT, files: list[Path], val_every: int) -> ExitProbe:
-    """The model's exit probe (lab.exit_probe), fitted on windows of the training files."""
+    """The model's exit probe, fitted on windows of the training files, and the time it took."""
     started = time.perf_counter()
-    windows = probe_windows(files, model.config.block_size, val_every)
-    if not windows:
-        raise ValueError(f"no training file has {2 * model.config.block_size} tokens for the exit probe")
-    probe = fit_exit_probe(model, windows)
-    seconds = time.perf_counter() - started
-    print(f"exit probe: fitted on {len(windows)} windows in {seconds:.0f} s", file=sys.stderr)
+    probe = fit_exit_probe_on_files(model, files, val_every)
+    print(f"exit probe: fitted in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     return probe
 
 

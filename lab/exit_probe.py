@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from lab import tokens
 from lab.hooks import capture
 from lab.model import GPT
 
@@ -114,3 +115,31 @@ def check_fits(probe: ExitProbe, model: GPT, source: str = "exit probe") -> None
     if tuple(probe.weight.shape) != wanted or tuple(probe.bias.shape) != wanted[:1]:
         shape = tuple(probe.weight.shape)
         raise ValueError(f"{source}: a probe for {shape} (blocks, width), the model is {wanted}")
+
+
+PROBE_WINDOWS = 32
+"""Windows of the model's context from training files that an exit probe is fitted on."""
+
+
+def probe_windows(
+    files: list[Path], length: int, val_every: int, count: int = PROBE_WINDOWS
+) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens from the middle of training files (never the held-out
+    ones, every ``val_every``-th), spread over the standard library."""
+    training = [path for i, path in enumerate(files) if i % val_every != 0]
+    windows = []
+    for path in training[:: max(len(training) // (2 * count), 1)]:
+        ids = tokens.encode(path.read_text(encoding="utf-8", errors="replace"))
+        if len(ids) >= 2 * length:
+            windows.append(ids[len(ids) // 3 : len(ids) // 3 + length])
+        if len(windows) == count:
+            break
+    return windows
+
+
+def fit_exit_probe_on_files(model: GPT, files: list[Path], val_every: int) -> ExitProbe:
+    """``fit_exit_probe`` on ``probe_windows`` of the model's context from ``files``."""
+    windows = probe_windows(files, model.config.block_size, val_every)
+    if not windows:
+        raise ValueError(f"no training file has {2 * model.config.block_size} tokens for the exit probe")
+    return fit_exit_probe(model, windows)

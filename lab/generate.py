@@ -316,9 +316,7 @@ class Speculator:
 
     def _through(self, blocks: list[int], x: torch.Tensor, pos: int) -> torch.Tensor:
         """The stream x [1, T, D] at positions pos.. through ``blocks``, writing their keys and values."""
-        for i in blocks:
-            x = self.model.blocks[i](x, self.decoder.cache.layer(i), pos, overwrite=i in self.overwrite)
-        return x  # [1, T, D]
+        return self.model.run_blocks(x, blocks, self.decoder.cache, pos, self.overwrite)  # [1, T, D]
 
     @torch.inference_mode()
     def round(
@@ -477,19 +475,25 @@ def adaptive_forward(
     active = torch.ones(T, dtype=torch.bool, device=idx.device)  # [T] still going deeper
     may_exit = torch.arange(T, device=idx.device) >= n_full  # [T]
     depth = torch.zeros(T, dtype=torch.long)  # [T] blocks run so far
-    read_before = None
-    for ran, i in enumerate(blocks, start=1):
-        checking = block_set.adaptive_min_blocks <= ran < len(blocks)
-        if checking and read_before is None and block_set.adaptive_check == "cosine":
-            read_before = model.ln_f(x)  # [1, T, D]: only the cosine compares reads
-        out = model.blocks[i](x, overwrite=i in block_set.overwrite)  # [1, T, D]
-        x = torch.where(active[None, :, None], out, x)  # exited positions keep their exit state
-        depth += active.cpu()
-        if checking:
+    first = max(block_set.adaptive_min_blocks, 1)  # the first check comes after this many blocks
+    cosine = block_set.adaptive_check == "cosine"  # only the cosine compares consecutive reads
+    read_before = model.ln_f(x) if cosine and first == 1 else None  # [1, T, D]
+    ran = 0
+
+    def check(i: int, x: torch.Tensor) -> None:
+        nonlocal ran, read_before
+        ran += 1
+        depth.add_(active.cpu())
+        if first <= ran < len(blocks):
             read_now = model.ln_f(x)  # [1, T, D]
             stable = exit_score(model, block_set, i, read_now, read_before)[0] >= block_set.adaptive_threshold
-            active &= ~(stable & may_exit)
+            active.logical_and_(~(stable & may_exit))  # exited positions keep their exit state
             read_before = read_now
+        elif cosine and ran == first - 1:
+            read_before = model.ln_f(x)  # [1, T, D]: the read entering the first checked block
+
+    keep = lambda i: active[None, :, None]  # [1, T, 1]
+    x = model.run_blocks(x, blocks, overwrite=block_set.overwrite, keep=keep, after=check)  # [1, T, D]
     return model.unembed(x), [blocks[:d] for d in depth.tolist()]
 
 

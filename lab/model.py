@@ -14,7 +14,7 @@ H heads, Dh head width, V vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -420,6 +420,34 @@ class GPT(nn.Module):
             return rows.view(*h.shape[:-1], -1)  # [B, T, V]
         return F.linear(h, self.wte.weight)  # [B, T, V]
 
+    def run_blocks(
+        self,
+        x: torch.Tensor,
+        blocks: Iterable[int],
+        cache: KVCache | None = None,
+        pos: int = 0,
+        overwrite: Collection[int] = (),
+        mask: torch.Tensor | None = None,
+        keep: Callable[[int], torch.Tensor] | None = None,
+        after: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """The stream x [B, T, D] at positions pos.. through ``blocks``, in order: the stack's loop,
+        which every pass of one sequence uses (a forward, a prefill, training under layer dropout,
+        adaptive exit over a whole text, a draft and its verification).
+
+        Each block writes its keys and values into ``cache`` when one is given. ``keep(i)``: where
+        block i's output replaces the stream, a bool mask broadcastable to [B, T, 1]; elsewhere the
+        stream passes through unchanged (layer dropout's dropped rows, adaptive exit's exited
+        positions). ``after(i, x)`` sees the stream leaving block i (taps, exit checks).
+        """
+        for i in blocks:
+            layer_cache = cache.layer(i) if cache is not None else None
+            out = self.blocks[i](x, layer_cache, pos, overwrite=i in overwrite, mask=mask)  # [B, T, D]
+            x = out if keep is None else torch.where(keep(i), out, x)  # [B, T, D]
+            if after is not None:
+                after(i, x)
+        return x  # [B, T, D]
+
     def residual_stream(
         self,
         idx: torch.Tensor,
@@ -445,12 +473,16 @@ class GPT(nn.Module):
             raise ValueError(f"{pos + idx.size(1)} positions exceed the cache's {cache.max_len}")
         x = self.embed_tokens(idx, pos, padding)  # [B, T, D]
         mask = None if padding is None else padding_mask(padding, pos, idx.size(1))  # [B, 1, T, S]
-        for i in block_set.blocks_to_run(len(self.blocks)):
-            layer_cache = cache.layer(i) if cache is not None else None
-            out = self.blocks[i](x, layer_cache, pos, overwrite=i in block_set.overwrite, mask=mask)
-            x = out if layer_keep is None else torch.where(layer_keep[i][:, None, None], out, x)  # [B, T, D]
-            if taps is not None:
-                taps[i] = x
+        x = self.run_blocks(
+            x,
+            block_set.blocks_to_run(len(self.blocks)),
+            cache,
+            pos,
+            block_set.overwrite,
+            mask,
+            keep=None if layer_keep is None else lambda i: layer_keep[i][:, None, None],  # [B, 1, 1]
+            after=None if taps is None else taps.__setitem__,
+        )  # [B, T, D]
         if cache is not None:
             cache.length = pos + idx.size(1)
         return x  # [B, T, D]

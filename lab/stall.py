@@ -4,6 +4,7 @@
     blocklab stall --preset gpu --seeds 1 2 3 --out runs/stall-gpu
     blocklab stall --variants pre post post+warmup=100 deepnorm peri peri+rms
     blocklab stall --grid lr=5e-4,1e-3,2e-3 warmup=0,25,100 --variants post --out runs/grid
+    blocklab stall --at-init 6 12 24 48 --variants pre post deepnorm peri   # no training: Xiong's figure
 
 For each seed, six-block character-level models are trained with the same settings but for the
 variant (where the norms sit, their type, the warmup); by default pre-LN without warmup, post-LN
@@ -36,6 +37,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lab.config import GPTConfig
 from lab.data import CharDataModule, RandomWindows
 from lab.gradients import grad_norms_at_init
+from lab.model import GPT
 from lab.train import STREAM_TRAINER_ARGS, LitGPT
 
 SMOOTH = 10  # "loss at step s" is the mean training loss over steps s-9..s
@@ -545,6 +547,91 @@ def grid_table(grid: dict) -> str:
     return "\n".join(format_table(head, rows))
 
 
+def xiong_ratio(norms: list[float]) -> float:
+    """The last block's gradient norm over the first's: Xiong et al.'s contrast in one number (post-LN's
+    grows toward the output, > 1; pre-LN's does not)."""
+    return norms[-1] / norms[0]
+
+
+def run_at_init(preset: StallPreset, depths: list[int], variants: list[Variant], out: Path, report) -> dict:
+    """Gradient norms at initialisation only (no training), per variant and model depth, for every seed
+    of ``preset``: what ``train_variant`` measures before training, at several depths. Writes
+    ``OUT/at_init.json`` and ``OUT/at_init.png``."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for seed in preset.seeds:
+        data = char_data(preset, seed)
+        windows = RandomWindows(data.train_ids, preset.seq_len, preset.batch_size, seed)
+        batches = [windows[i] for i in range(INIT_BATCHES)]
+        # warmup does not change the initialisation: variants differing only in it are measured once
+        distinct = dict.fromkeys(replace(v, warmup=0) for v in variants)
+        for depth, variant in itertools.product(depths, distinct):
+            L.seed_everything(seed, verbose=False)
+            config = GPTConfig(
+                n_layer=depth, n_head=preset.n_head, n_embd=preset.n_embd, vocab_size=data.vocab_size,
+                block_size=preset.seq_len, norm=variant.norm, norm_type=variant.norm_type,
+            )  # fmt: skip
+            norms = grad_norms_at_init(GPT(config), batches)
+            rows.append(
+                {
+                    "variant": variant.spec,
+                    "n_layer": depth,
+                    "seed": seed,
+                    "blocks": [round(v, 6) for v in norms["blocks"]],
+                    "mlp.c_proj": [round(v, 6) for v in norms["mlp.c_proj"]],
+                    "ratio_blocks": round(xiong_ratio(norms["blocks"]), 4),
+                    "ratio_mlp_c_proj": round(xiong_ratio(norms["mlp.c_proj"]), 4),
+                }
+            )
+            name = variant.label.rsplit(", ", 1)[0]
+            ratios = f"block {rows[-1]['ratio_blocks']:.3f}, mlp.c_proj {rows[-1]['ratio_mlp_c_proj']:.3f}"
+            report(f"    {name}, {depth} blocks, seed {seed}: last/first {ratios}")
+    summary = {"preset": asdict(preset), "depths": depths, "rows": rows}
+    (out / "at_init.json").write_text(json.dumps(summary, indent=1))
+    plot_at_init(rows, out / "at_init.png")
+    return summary
+
+
+def at_init_table(summary: dict) -> str:
+    """Per variant and depth, the last/first ratio of the feed-forward output weight's gradient norm
+    (mean over seeds), and post-LN's ratio over pre-LN's at the same depth."""
+    ratios: dict[tuple[str, int], list[float]] = {}
+    for row in summary["rows"]:
+        ratios.setdefault((row["variant"], row["n_layer"]), []).append(row["ratio_mlp_c_proj"])
+    mean = {key: statistics.mean(values) for key, values in ratios.items()}
+    head = ["variant", "blocks", "c_proj last/first", "vs pre-LN"]
+    rows = []
+    for (spec, depth), ratio in mean.items():
+        pre = mean.get(("pre", depth))
+        rows.append([spec, str(depth), f"{ratio:.3f}", f"{ratio / pre:.2f}x" if pre else "-"])
+    return "\n".join(format_table(head, rows))
+
+
+def plot_at_init(rows: list[dict], path: Path) -> None:
+    """The feed-forward output weight's gradient norm at init against relative depth (block / last),
+    one line per variant and model depth (first seed)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    first_seed = rows[0]["seed"]
+    for row in rows:
+        if row["seed"] != first_seed:
+            continue
+        norms = row["mlp.c_proj"]
+        at = [i / max(1, len(norms) - 1) for i in range(len(norms))]
+        ax.plot(at, norms, marker=".", label=f"{Variant.parse(row['variant']).label.rsplit(', ', 1)[0]}, "
+                f"{row['n_layer']} blocks")  # fmt: skip
+    ax.set(
+        xlabel="block / last block",
+        ylabel="mlp.c_proj.weight gradient norm at init",
+        yscale="log",
+        title="Gradient norm of each feed-forward output weight at initialisation",
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="blocklab stall", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -566,6 +653,13 @@ def main(argv: list[str]) -> int:
         nargs="+",
         metavar="NAME=V1,V2",
         help=f"one variant over a grid of preset settings, 1 or 2 axes (NAME: {', '.join(GRID_SETTINGS)})",
+    )
+    parser.add_argument(
+        "--at-init",
+        type=int,
+        nargs="+",
+        metavar="N_LAYER",
+        help="no training: gradient norms at initialisation of models this many blocks deep, per variant",
     )
     explore = parser.add_argument_group("explore: change one setting of the preset")
     explore.add_argument("--lr", type=float)
@@ -594,6 +688,13 @@ def main(argv: list[str]) -> int:
     report = (lambda line: None) if args.json else print
     report(f"blocklab stall --preset {args.preset}: {preset}")
     start = time.perf_counter()
+    if args.at_init:
+        if axes is not None or min(args.at_init) < 2:
+            parser.error("--at-init takes depths of at least 2 blocks, and no --grid")
+        variants = variants or [Variant("pre"), Variant("post")]
+        summary = run_at_init(preset, args.at_init, variants, args.out, report)
+        print(json.dumps(summary, indent=1) if args.json else at_init_table(summary))
+        return 0
     if axes is not None:
         grid = run_grid(preset, (variants or [Variant("post")])[0], axes, args.out, report)
         print(json.dumps(grid, indent=1) if args.json else grid_table(grid))

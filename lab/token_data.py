@@ -7,7 +7,7 @@
 Why a compact vocabulary: GPT-2's table is 50257 wide, and at a narrow width the unembedding and its
 softmax are most of a training step. A corpus uses far fewer distinct tokens (the standard library:
 ~19k), and every other token is never an input and only ever gets pushed down as an output. So the
-model trains on the tokens that occur, and ``lab.builtin`` widens the table back to 50257 rows
+model trains on the tokens that occur, and ``widen_vocabulary`` widens the table back to 50257 rows
 afterwards, with rows that give every never-seen token the same negligible probability. The tokens
 that never occur cost only their rows in the table, not compute in every step.
 
@@ -18,6 +18,7 @@ files. Batches come from ``lab.data``'s resumable random-window stream.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import lightning as L
@@ -27,6 +28,8 @@ from torch.utils.data import DataLoader
 from lab import tokens
 from lab.corpora import HELD_OUT_EVERY
 from lab.data import DataError, EvenWindows, RandomWindows, StepSampler
+from lab.model import GPT
+from lab.weights import build_model
 
 
 def encode_files(paths: list[Path]) -> list[list[int]]:
@@ -106,3 +109,47 @@ class TokenDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         windows = EvenWindows(self.val_ids, self.seq_len, self.batch_size, self.val_batches)
         return DataLoader(windows, batch_size=None)
+
+
+def widen_vocabulary(model: GPT, gpt2_ids: torch.Tensor, unseen_logit: float) -> GPT:
+    """The compact-vocabulary model as a GPT-2-vocabulary one: row ``gpt2_ids[i]`` gets compact row i,
+    and every never-seen token a row whose logit is ``unseen_logit`` whatever the input.
+
+    Why a constant: ln_f(x) = gamma * n + beta with n the normalised stream, which sums to zero over
+    the width. For the row w = k / gamma the logit is ln_f(x) . w = k * sum(n) + k * sum(beta / gamma)
+    = k * sum(beta / gamma), the same for every x; k sets it to ``unseen_logit``.
+    """
+    state = dict(model.state_dict())
+    gamma, beta = state["ln_f.weight"], state["ln_f.bias"]  # [D] each
+    per_unit = float((beta / gamma).sum())  # the logit of the row 1 / gamma
+    if abs(per_unit) < 1e-3:
+        raise ValueError(f"ln_f's sum(beta / gamma) is {per_unit:.2e}: no row gives a constant low logit")
+    compact = state["wte.weight"]  # [V_seen, D]
+    table = (unseen_logit / per_unit / gamma).expand(tokens.VOCAB_SIZE, -1).clone()  # [50257, D]
+    table[gpt2_ids] = compact
+    state["wte.weight"] = table
+    cfg = dataclasses.replace(model.config, vocab_size=tokens.VOCAB_SIZE, dropout=0.0)
+    return build_model(cfg, state, "builtin (widened)")
+
+
+@torch.inference_mode()
+def lowest_log_normaliser(model: GPT, dm: TokenDataModule) -> float:
+    """The smallest logsumexp of the compact model's logits over the validation positions."""
+    return min(float(torch.logsumexp(model(x), dim=-1).min()) for x, _ in dm.val_dataloader())
+
+
+def ngram_baselines(dm: TokenDataModule, smoothing: float = 100.0) -> dict[str, float]:
+    """Count models of the training split scored on the validation windows (nats/token): the unigram,
+    and the bigram interpolated with it, p(y | x) = (c(x, y) + smoothing * p(y)) / (c(x) + smoothing)."""
+    V, train = dm.vocab_size, dm.train_ids
+    unigram = torch.bincount(train, minlength=V).double() + 0.5  # [V]
+    unigram /= unigram.sum()
+    pairs, counts = torch.unique(train[:-1] * V + train[1:], return_counts=True)  # sorted pair ids
+    firsts = torch.bincount(train[:-1], minlength=V).double()  # [V]
+    xs, ys = zip(*dm.val_dataloader(), strict=True)
+    x, y = torch.cat(xs).flatten(), torch.cat(ys).flatten()  # [N] each
+    wanted = x * V + y  # [N]
+    at = torch.searchsorted(pairs, wanted).clamp(max=len(pairs) - 1)  # [N]
+    pair_counts = torch.where(pairs[at] == wanted, counts[at], 0).double()  # [N]
+    bigram = (pair_counts + smoothing * unigram[y]) / (firsts[x] + smoothing)  # [N]
+    return {"unigram": float(-unigram[y].log().mean()), "bigram": float(-bigram.log().mean())}

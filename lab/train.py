@@ -13,6 +13,7 @@ training starts) and ``baselines`` (``{name: nats}``, logged as ``baseline/<name
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Literal
@@ -29,6 +30,7 @@ from lab.data import CharDataModule, DataError
 from lab.errors import UserError
 from lab.gradients import block_grad_norms, block_weights, update_ratios
 from lab.model import GPT
+from lab.optim import muon_adamw
 
 TINY = GPTConfig()  # the dataclass's defaults: a tiny valid model
 
@@ -77,6 +79,10 @@ class LitGPT(L.LightningModule):
         layer_dropout_curriculum: Literal["constant", "exponential"] = "constant",
         early_exit_loss: float = 0.0,
         early_exit_every: int = 1,
+        early_exit_tokens: float = 1.0,
+        optimizer: Literal["adamw", "muon"] = "adamw",
+        muon_lr: float = 0.02,
+        train_seconds: float | None = None,
     ):
         """
         Args:
@@ -105,6 +111,15 @@ class LitGPT(L.LightningModule):
                 train/exit_loss/blocks.{l} and, per validation, val/exit_loss/blocks.{l}.
             early_exit_every: The rotational curriculum: each step only every this-many-th block's
                 read-out is trained, rotating with the step, to keep the cost down (1: all).
+            early_exit_tokens: The share of a training batch's positions (drawn afresh each step) whose
+                early-exit losses are computed: each read-out is a whole unembedding, which at a large
+                vocabulary and a narrow width costs as much as all the blocks (1: every position).
+            optimizer: adamw for every parameter, or muon: Muon (``lab.optim``) for the blocks'
+                weight matrices and AdamW (lr, betas, weight_decay) for the tables, norms and biases.
+            muon_lr: Muon's peak learning rate; the schedule scales it as it scales lr.
+            train_seconds: A wall-clock budget the schedule also follows: it stands at whichever is
+                further along, the step or the elapsed share of train_seconds of max_steps, so a
+                machine slower than planned still ends its cosine on time (None: steps only).
         """
         super().__init__()
         self.save_hyperparameters()
@@ -118,10 +133,16 @@ class LitGPT(L.LightningModule):
         self.weights_before: list[list[torch.Tensor]] | None = None  # the blocks', on a block-stats step
         self.skip_update = False  # this step's loss was not finite: drop its gradients
         self.baselines: dict[str, float] = {}
-        if not 0.0 <= layer_dropout < 1.0 or early_exit_loss < 0.0 or early_exit_every < 1:
+        if (
+            not 0.0 <= layer_dropout < 1.0
+            or early_exit_loss < 0.0
+            or early_exit_every < 1
+            or not 0.0 < early_exit_tokens <= 1.0
+        ):
             raise UserError(
-                f"layer_dropout must be in [0, 1), early_exit_loss >= 0 and early_exit_every >= 1; "
-                f"got {layer_dropout}, {early_exit_loss}, {early_exit_every}"
+                f"layer_dropout must be in [0, 1), early_exit_loss >= 0, early_exit_every >= 1 and "
+                f"early_exit_tokens in (0, 1]; got {layer_dropout}, {early_exit_loss}, {early_exit_every}, "
+                f"{early_exit_tokens}"
             )
         self.val_exit_loss = torch.nn.ModuleList(MeanMetric() for _ in range(self.config.n_layer))
 
@@ -143,29 +164,71 @@ class LitGPT(L.LightningModule):
         self.baselines = dict(getattr(data, "baselines", {}))
 
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor | None:
-        """Cross entropy of the batch, logged as ``{stage}/loss`` and ``{stage}/bpc``.
+        """The objective of the batch, logged as ``{stage}/loss`` and ``{stage}/bpc`` (validation: the
+        model's own loss), with each block's exit loss under LayerSkip's recipe.
 
         A non-finite training loss on any rank returns None on every rank (nothing is logged).
         """
         x, y = batch  # [B, T] each
-        hp = self.hparams
-        recipe = hp.layer_dropout > 0 or hp.early_exit_loss > 0
-        if not recipe:
-            logits = self.model(x)  # [B, T, V]
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())  # mean over B*T tokens
-        else:
-            loss = self._layerskip_loss(x, y, stage)
-        if stage == "train":
+        training = stage == "train"
+        loss, exit_losses = self.objective(x, y, training)
+        if training:
             # Every rank must agree to skip, or DDP would wait forever for a skipping rank's gradients.
             if not self.trainer.strategy.reduce_boolean_decision(bool(torch.isfinite(loss)), all=True):
                 return None
-            self.log("train/loss", loss, prog_bar=True)  # this step's value
+            self.log("train/loss", loss, prog_bar=True)  # this step's value: the mixed objective
             self.log("train/bpc", loss / math.log(2))
+            for i, exit_loss in exit_losses.items():
+                self.log(f"train/exit_loss/blocks.{i}", exit_loss)
         else:
             # The mean over the whole validation set, per validation run.
             self.val_loss.update(loss)
             self.log(f"{stage}/loss", self.val_loss, prog_bar=True)
+            for i, exit_loss in exit_losses.items():
+                self.val_exit_loss[i].update(exit_loss)
         return loss
+
+    def objective(
+        self, x: torch.Tensor, y: torch.Tensor, training: bool = True
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """What a step minimises for tokens x and targets y [B, T]: the cross entropy, or under
+        LayerSkip's recipe the last block's loss mixed with this step's early-exit losses (under layer
+        dropout when training). Returns it and the exit losses by block, detached (validation: the
+        model's own loss, and every block's exit loss)."""
+        hp, L = self.hparams, self.config.n_layer
+        if hp.layer_dropout == 0 and hp.early_exit_loss == 0:
+            logits = self.model(x)  # [B, T, V]
+            return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()), {}  # mean over B*T tokens
+        keep = None
+        if training and hp.layer_dropout > 0:
+            rates = self.layer_dropout_rates(self.global_step).to(x.device)  # [L]
+            keep = torch.rand(L, x.size(0), device=x.device) >= rates[:, None]  # [L, B]
+        taps: dict[int, torch.Tensor] = {}
+        stream = self.model.residual_stream(x, layer_keep=keep, taps=taps)  # [B, T, D]
+        last = F.cross_entropy(self.model.unembed(stream).flatten(0, 1).float(), y.flatten())
+        if hp.early_exit_loss == 0:
+            return last, {}
+        targets = y.flatten()  # [B*T]
+        positions = slice(None)
+        if training:
+            blocks = [i for i in range(L - 1) if (i + self.global_step) % hp.early_exit_every == 0]
+            if hp.early_exit_tokens < 1.0:
+                count = max(1, round(hp.early_exit_tokens * targets.numel()))
+                positions = torch.randperm(targets.numel(), device=x.device)[:count]  # [N]
+        else:
+            blocks = list(range(L - 1))
+        total, weight = L * last, float(L)
+        exit_losses = {}
+        for i in blocks:
+            read = taps[i].flatten(0, 1)[positions]  # [N, D]: the stream after block i
+            exit_loss = F.cross_entropy(self.model.unembed(read).float(), targets[positions])
+            scale = hp.early_exit_loss * (i + 1)
+            total, weight = total + scale * exit_loss, weight + scale
+            exit_losses[i] = exit_loss.detach()
+        exit_losses[L - 1] = last.detach()
+        if not training:
+            return last, exit_losses
+        return total / weight, exit_losses
 
     def layer_dropout_rates(self, step: int) -> torch.Tensor:
         """Per block, the probability a sequence skips it at optimiser step ``step``. [L]."""
@@ -176,41 +239,6 @@ class LitGPT(L.LightningModule):
             total = hp.max_steps or self.trainer.max_steps
             rates = rates * (2.0 ** min(step / max(1, total), 1.0) - 1.0)
         return rates
-
-    def _layerskip_loss(self, x: torch.Tensor, y: torch.Tensor, stage: str) -> torch.Tensor:
-        """The last block's loss, mixed with the early-exit losses of this step's blocks; in training
-        under layer dropout. Logs each block's exit loss."""
-        hp, L = self.hparams, self.config.n_layer
-        B = x.size(0)
-        training = stage == "train"
-        keep = None
-        if training and hp.layer_dropout > 0:
-            rates = self.layer_dropout_rates(self.global_step).to(x.device)  # [L]
-            keep = torch.rand(L, B, device=x.device) >= rates[:, None]  # [L, B]
-        taps: dict[int, torch.Tensor] = {}
-        stream = self.model.residual_stream(x, layer_keep=keep, taps=taps)  # [B, T, D]
-        last = F.cross_entropy(self.model.unembed(stream).flatten(0, 1).float(), y.flatten())
-        if hp.early_exit_loss == 0:
-            return last
-        if training:
-            blocks = [i for i in range(L - 1) if (i + self.global_step) % hp.early_exit_every == 0]
-        else:
-            blocks = list(range(L - 1))
-        total, weight = L * last, float(L)
-        for i in blocks:
-            logits = self.model.unembed(taps[i])  # [B, T, V]: the read-out after block i
-            exit_loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-            scale = hp.early_exit_loss * (i + 1)
-            total, weight = total + scale * exit_loss, weight + scale
-            if training:
-                self.log(f"train/exit_loss/blocks.{i}", exit_loss)
-            else:
-                self.val_exit_loss[i].update(exit_loss)
-        if not training:
-            self.val_exit_loss[L - 1].update(last)
-            return last  # validation reports the model's own loss
-        self.log(f"train/exit_loss/blocks.{L - 1}", last)  # train/loss is the mixed objective
-        return total / weight
 
     def on_validation_epoch_end(self) -> None:
         # The metrics have already gathered every rank's batches; sync_dist keeps Lightning from warning
@@ -291,19 +319,25 @@ class LitGPT(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": hp.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        if hp.optimizer == "muon":
+            optimizer = muon_adamw(self.model, hp.muon_lr, hp.lr, tuple(hp.betas), hp.weight_decay)
+        else:
+            decay = [p for p in self.model.parameters() if p.dim() >= 2]
+            no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+            groups = [
+                {"params": decay, "weight_decay": hp.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ]
+            optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
         max_steps = hp.max_steps
-        if hp.schedule == "cosine" and max_steps is None:
+        if max_steps is None and (hp.schedule == "cosine" or hp.train_seconds):
             max_steps = self.trainer.max_steps
         learning_rate(hp.warmup_steps, 1.0, hp.warmup_steps, hp.schedule, 0.0, max_steps)  # fail early
+        started = time.monotonic()
 
-        def factor(step: int) -> float:
+        def factor(step: int) -> float:  # of each param group's own peak rate
+            if hp.train_seconds:
+                step = max(step, int(max_steps * (time.monotonic() - started) / hp.train_seconds))
             return learning_rate(step, 1.0, hp.warmup_steps, hp.schedule, hp.min_lr / hp.lr, max_steps)
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -10,7 +10,9 @@ Runs, one after another, each benchmark with settings shortened to fit a few min
 - serve: ``scripts/bench_serve.py`` (HTTP overhead, batching throughput, latency with skips, the
   scheduler on GPT-2 small shapes in int4 and on the builtin model, batch-invariant and not);
 - train: ``scripts/bench_train.py`` (LitGPT under Lightning vs a plain torch loop);
-- depth: ``blocklab depth`` (equal-parameter stacks, ratios to 12x768).
+- depth: ``blocklab depth`` (equal-parameter stacks, ratios to 12x768);
+- speculate: ``scripts/bench_speculate.py`` (self-speculative decoding against full depth, batch 1) on
+  each builtin model that exists (``blocklab builtin``, ``blocklab builtin --recipe early-exit``).
 
 Each benchmark reports ratios against a baseline measured in its own run, so the machine's speed
 cancels; the load average before and after is recorded, because on a shared CPU it moves the numbers.
@@ -106,7 +108,28 @@ def headline(runs: dict) -> list[tuple[str, str, str]]:
         ]
     for row in depth["rows"]:
         rows.append((f"depth: {row['stack']} / {depth['baseline']} ms per token", f"{row['ratio']:.2f}", ""))
+    for name, run in runs.items():
+        if not name.startswith("speculate"):
+            continue
+        result = run["results"]
+        best = max(result["rows"], key=lambda row: row["speedup"])
+        identical = all(row["greedy_identical"] for row in result["rows"])
+        rows.append(
+            (
+                f"speculate, {result['model']}: best tokens/s over full depth ({best['block_set']}; "
+                f"{best['acceptance_rate']:.0%} accepted); greedy tokens identical at every setting",
+                f"{best['speedup']:.2f}x; {'yes' if identical else 'NO'}",
+                ">= 1.3x (builtin-early-exit); yes",
+            )
+        )
     return rows
+
+
+def builtin_models() -> list[str]:
+    """The builtin models made on this machine (the speculation benchmark runs on each)."""
+    from lab.weights import BUILTIN_MODELS, FORMAT_FILE, builtin_dir
+
+    return [name for name in BUILTIN_MODELS if (builtin_dir(name) / FORMAT_FILE).exists()]
 
 
 def cpu_description() -> str:
@@ -187,6 +210,14 @@ def main() -> None:
                 [python, "-m", "lab.cli", "depth", "--new", "16", "--repeats", "3", "--no-plot", "--json"],
             ),
         }
+        for model in builtin_models():
+            runs[f"speculate {model}"] = run_json(
+                f"speculate {model}",
+                [
+                    python, "scripts/bench_speculate.py", "--model", model, "--exits", "2", "3", "4", "6",
+                    "--drafts", "3", "5", "--prompts", "6", "--new-tokens", "48", "--json",
+                ],
+            )  # fmt: skip
     meta = {
         "command": "python scripts/bench_all.py",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -2,6 +2,7 @@
 
     python scripts/bench_decode.py                  # GPT-2 small shapes, torch's default threads
     python scripts/bench_decode.py --threads 1 --rounds 7 --json bench.json
+    python scripts/bench_decode.py --quality-only   # the builtin models' loss per block set
 
 Everything is measured in the same process with the same threads, configurations interleaved round by
 round (each round times every configuration once; the median over rounds is reported), so a machine
@@ -19,8 +20,9 @@ shared with other jobs slows all of them alike. Reports:
 - the adaptive-exit check's cost per block, end to end (``adaptive=1.0`` checks after every block and
   never exits) and alone;
 - one position's unembedding: mv on the tied [V, D] table vs F.linear vs a transposed [D, V] copy;
-- on the builtin model (if created), on held-out standard-library files: the loss change of bf16,
-  int8 and int4 weights, and loss vs mean blocks per token under adaptive exit and fixed early exits.
+- on each builtin model (if created: ``builtin``, ``builtin-early-exit``), on held-out standard-library
+  files: the loss change of bf16, int8 and int4 weights, and loss vs mean blocks per token under
+  adaptive exit and fixed early exits (``--quality-only``: only these, no timing).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +44,7 @@ from lab.corpora import held_out_stdlib_files
 from lab.generate import Decoder, score, stability
 from lab.model import GPT, Linear
 from lab.quantize import QuantizedLinear, load
-from lab.weights import builtin_dir
+from lab.weights import BUILTIN_MODELS, builtin_dir
 
 LOW_PRECISION = ("bfloat16", "int8", "int4")
 """Weights besides fp32 that decoding is measured with (lab.quantize)."""
@@ -169,12 +172,12 @@ def held_out_windows(length: int, count: int = 4) -> list[tuple[str, list[int]]]
     raise RuntimeError(f"fewer than {count} held-out files have {length} tokens")
 
 
-def builtin_quality() -> dict | None:
-    """On the builtin model (if created), on held-out files: the loss change of bf16, int8 and int4
+def builtin_quality(name: str = "builtin") -> dict | None:
+    """On a builtin model (if created), on held-out files: the loss change of bf16, int8 and int4
     weights, and loss vs mean blocks per token for adaptive-exit thresholds and for fixed early exits."""
-    if not (builtin_dir() / "blocklab.json").exists():
+    if not (builtin_dir(name) / "blocklab.json").exists():
         return None
-    fp32 = load("builtin")
+    fp32 = load(name)
     n = fp32.config.n_layer
     windows = held_out_windows(fp32.config.block_size + 1)
 
@@ -186,7 +189,7 @@ def builtin_quality() -> dict | None:
         }
 
     loss32 = mean_score(fp32, "all")["loss"]
-    losses = {dtype: mean_score(load("builtin", dtype), "all")["loss"] for dtype in LOW_PRECISION}
+    losses = {dtype: mean_score(load(name, dtype), "all")["loss"] for dtype in LOW_PRECISION}
     specs = [f"adaptive={t};min=2" for t in (1.0, 0.999, 0.995, 0.99, 0.98, 0.95)]
     if fp32.exit_probe is not None:
         specs += [f"adaptive={t};min=2;check=probe" for t in (0.95, 0.9, 0.8, 0.7, 0.5)]
@@ -207,9 +210,18 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--quality-only", action="store_true", help="only the builtin models' losses (no timing): seconds"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
+    if args.quality_only:
+        results = {name: builtin_quality(name) for name in BUILTIN_MODELS}
+        print(json.dumps(results, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return
 
     models = {dtype: load("gpt2-random", dtype) for dtype in ("float32", *LOW_PRECISION)}
     ours = models["float32"]
@@ -283,7 +295,7 @@ def main() -> None:
         },
         "adaptive_check_ms": {"end_to_end_per_block": check_end_to_end, "alone": check_cost_alone(ours)},
         "unembed_ms": {"fp32": unembed_ms(ours), "bf16": unembed_ms(models["bfloat16"])},
-        "builtin": builtin_quality(),
+        **{name.replace("-", "_"): builtin_quality(name) for name in BUILTIN_MODELS},
     }
     print(json.dumps(results, indent=2))
     if args.json:

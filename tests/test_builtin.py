@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from lab import tokens
-from lab.builtin import Recipe, create_builtin, format_report, main, widen_vocabulary
+from lab.builtin import Recipe, create_builtin, format_report, main
 from lab.config import GPTConfig
 from lab.corpora import stdlib_files
 from lab.model import GPT
-from lab.token_data import TokenDataModule
+from lab.token_data import TokenDataModule, widen_vocabulary
 from lab.weights import load_model, read_metadata
 
 TINY = Recipe(
@@ -88,7 +88,8 @@ def test_the_early_exit_recipe_saves_builtin_early_exit(tmp_path, monkeypatch):
     monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path))
     recipe = dataclasses.replace(TINY, **RECIPES["early-exit"])
     report = create_builtin(recipe, tmp_path / "builtin-early-exit")
-    assert report["recipe"]["early_exit_loss"] == 1.0 and len(report["val_loss_exit"]) == 1
+    assert report["recipe"]["early_exit_loss"] == RECIPES["early-exit"]["early_exit_loss"] > 0
+    assert len(report["val_loss_exit"]) == 1
     model = load_model("builtin-early-exit")
     assert model.config.n_layer == 2 and model.exit_probe is not None
     with pytest.raises(FileNotFoundError, match="blocklab builtin`"):
@@ -96,9 +97,9 @@ def test_the_early_exit_recipe_saves_builtin_early_exit(tmp_path, monkeypatch):
 
 
 def test_muon_orthogonalises_in_fp32_as_torch_does_in_bf16():
-    """lab.builtin.Muon is torch.optim.Muon's update with the Newton-Schulz iteration in fp32 (torch
+    """lab.optim.Muon is torch.optim.Muon's update with the Newton-Schulz iteration in fp32 (torch
     casts to bf16, slow on CPUs without bf16 units): the same steps up to bf16's rounding."""
-    from lab.builtin import Muon
+    from lab.optim import Muon
 
     ours = torch.nn.Parameter(torch.randn(384, 128))
     theirs = torch.nn.Parameter(ours.detach().clone())

@@ -136,7 +136,7 @@ def test_save_model_writes_the_probe_and_never_leaves_a_stale_one(tmp_path, mode
 
 def test_probe_windows_come_from_training_files_only(tmp_path):
     from lab import tokens
-    from lab.builtin import probe_windows
+    from lab.exit_probe import probe_windows
 
     files = []
     for i in range(6):  # with val_every=3, files 0 and 3 are held out

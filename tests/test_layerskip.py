@@ -47,6 +47,46 @@ def test_a_dropped_block_passes_the_stream_through_and_taps_are_the_exits():
     torch.testing.assert_close(taps[1], early)
 
 
+def test_the_objective_mixes_exit_losses_on_the_chosen_positions():
+    """The training objective by hand: the last block's loss weighted L, each exit of this step's
+    rotation weighted e (l + 1), normalised; exits on a random subset of positions, drawn from the
+    global RNG (here replayed). Validation reports the model's own loss and every exit's."""
+    torch.manual_seed(0)
+    module = LitGPT(CONFIG, early_exit_loss=0.5, early_exit_every=2, early_exit_tokens=0.25)
+    x, y = torch.randint(0, 64, (2, 3, 16))  # [B, T] each
+    with torch.no_grad():
+        torch.manual_seed(7)
+        loss, exits = module.objective(x, y, training=True)  # step 0: blocks 0 and 2 (every 2nd)
+        torch.manual_seed(7)
+        chosen = torch.randperm(48)[:12]  # a quarter of the 3 x 16 positions
+        taps = {}
+        logits = module.model.unembed(module.model.residual_stream(x, taps=taps))  # [B, T, V]
+        last = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+        def exit_at(i):
+            return F.cross_entropy(module.model.unembed(taps[i].flatten(0, 1)[chosen]), y.flatten()[chosen])
+
+        expected = (4 * last + 0.5 * exit_at(0) + 1.5 * exit_at(2)) / (4 + 0.5 + 1.5)
+        torch.testing.assert_close(loss, expected)
+        assert sorted(exits) == [0, 2, 3]
+        torch.testing.assert_close(exits[2], exit_at(2))
+        val_loss, val_exits = module.objective(x, y, training=False)
+    torch.testing.assert_close(val_loss, last)
+    assert sorted(val_exits) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="early_exit_tokens"):
+        LitGPT(CONFIG, early_exit_tokens=0.0)
+
+
+def test_muon_steps_the_blocks_matrices_and_adamw_the_rest():
+    module = LitGPT(CONFIG, optimizer="muon", muon_lr=0.02, lr=1e-3, max_steps=10)
+    optimizer = module.configure_optimizers()["optimizer"]
+    muon_params = {id(p) for group in optimizer.muon.param_groups for p in group["params"]}
+    for name, param in module.model.named_parameters():
+        in_muon = id(param) in muon_params
+        assert in_muon == (name.startswith("blocks.") and param.dim() == 2), name
+    assert [group["lr"] for group in optimizer.param_groups][:1] == [0.02]
+
+
 def fit(tmp_path, steps: int, **recipe) -> LitGPT:
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. a bird sang in the tree. " * 80)

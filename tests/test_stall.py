@@ -153,6 +153,28 @@ def test_grid_runs_every_cell_and_a_rerun_skips_the_done_ones(tmp_path, monkeypa
         stall.main(["stall", "--grid", "betas=1,2"])
 
 
+def test_at_init_measures_what_training_measures_at_every_depth(tmp_path, monkeypatch, capsys):
+    """--at-init: no training, the gradient norms at init per variant and depth; at the preset's depth
+    they are the very numbers a training run records before its first step."""
+    monkeypatch.setitem(PRESETS, "cpu", TINY)
+    args = ["stall", "--at-init", "2", "3", "--variants", "pre", "post", "post+warmup=2", "--seeds", "1"]
+    assert stall.main([*args, "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((tmp_path / "at_init.json").read_text())
+    rows = summary["rows"]
+    assert [(r["variant"], r["n_layer"]) for r in rows] == [("pre", 2), ("post", 2), ("pre", 3), ("post", 3)]
+    for row in rows:
+        assert len(row["mlp.c_proj"]) == len(row["blocks"]) == row["n_layer"]
+        last_over_first = row["mlp.c_proj"][-1] / row["mlp.c_proj"][0]
+        assert row["ratio_mlp_c_proj"] == pytest.approx(last_over_first, rel=1e-3)
+    assert (tmp_path / "at_init.png").exists() and "vs pre-LN" in printed and "1.00x" in printed
+
+    trained = stall.run_stall(TINY, tmp_path / "trained", lambda line: None, [Variant("post")])
+    assert trained["grad_norms_at_init"]["post"] == pytest.approx(rows[1]["blocks"], rel=1e-4)
+    with pytest.raises(SystemExit):
+        stall.main(["stall", "--at-init", "1"])
+
+
 @pytest.mark.slow
 def test_the_gpu_preset_starts_and_trains_on_the_cpu(tmp_path, capsys):
     """No GPU here: the preset's structure (6 blocks, bf16-mixed, its optimiser) runs 3 steps, smaller."""
