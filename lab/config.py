@@ -33,6 +33,9 @@ class GPTConfig:
     """eager writes the [B, H, T, T] scores out; sdpa calls the fused kernel. Same logits."""
     layer_norm_eps: float = 1e-5
     """LayerNorm epsilon (GPT-2 uses 1e-5)."""
+    logit_bias: bool = False
+    """A fixed bias [V] added to the read-out's logits (``GPT.logit_bias``, a buffer, not trained): how
+    a model trained on part of the vocabulary gives the rest one low logit (``lab.token_data``)."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):

@@ -349,6 +349,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = make_norm(cfg) if cfg.norm in NORM_FIRST else nn.Identity()
         self.read_out: nn.Module | None = None  # a quantized copy of the tied table (lab.quantize)
+        self.logit_bias: torch.Tensor | None  # [V], added to every read-out
+        self.register_buffer("logit_bias", torch.zeros(cfg.vocab_size) if cfg.logit_bias else None)
         self.exit_probe = None  # lab.exit_probe.ExitProbe: adaptive exit's learned check, fitted per model
         self.apply(self._init_weights)
         if cfg.norm == "deepnorm":
@@ -409,16 +411,19 @@ class GPT(nn.Module):
         return self.embed(self.drop(self.wte(idx) + self.wpe(positions)))  # [B, T, D]
 
     def unembed(self, x: torch.Tensor) -> torch.Tensor:
-        """Read the stream out: final norm, then the tied token table. [B, T, D] -> [B, T, V]."""
+        """Read the stream out: final norm, then the tied token table (and ``logit_bias``, if the model
+        has one). [B, T, D] -> [B, T, V]."""
         h = self.ln_f(x)  # [B, T, D]
         if self.read_out is not None:
-            return self.read_out(h)  # [B, T, V]
-        if h.numel() == h.size(-1):  # one position (decoding): a matrix-vector product, as in Linear
-            return torch.mv(self.wte.weight, h.reshape(-1)).view(*h.shape[:-1], -1)  # [1, 1, V]
-        if ROWS_ALONE.get():
+            logits = self.read_out(h)  # [B, T, V]
+        elif h.numel() == h.size(-1):  # one position (decoding): a matrix-vector product, as in Linear
+            logits = torch.mv(self.wte.weight, h.reshape(-1)).view(*h.shape[:-1], -1)  # [1, 1, V]
+        elif ROWS_ALONE.get():
             rows = matmul_rows_alone(h.reshape(-1, h.size(-1)), self.wte.weight.t(), None)  # [B*T, V]
-            return rows.view(*h.shape[:-1], -1)  # [B, T, V]
-        return F.linear(h, self.wte.weight)  # [B, T, V]
+            logits = rows.view(*h.shape[:-1], -1)  # [B, T, V]
+        else:
+            logits = F.linear(h, self.wte.weight)  # [B, T, V]
+        return logits if self.logit_bias is None else logits + self.logit_bias.to(logits.dtype)
 
     def run_blocks(
         self,

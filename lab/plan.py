@@ -159,10 +159,12 @@ class LossMeter:
         """Blocks run per predicted token, per measured set (varies only under adaptive exit)."""
         self.table = None
         if model.read_out is None:  # a quantized read-out (lab.quantize) has no rows to compare
+            weight = model.wte.weight.detach()  # [V, D]
+            bias = model.logit_bias if model.logit_bias is not None else weight.new_zeros(len(weight))  # [V]
             rows, self.row_of, counts = torch.unique(
-                model.wte.weight.detach(), dim=0, return_inverse=True, return_counts=True
-            )  # [U, D], [V] token -> its row, [U]
-            self.table = rows
+                torch.cat([weight, bias[:, None]], dim=1), dim=0, return_inverse=True, return_counts=True
+            )  # [U, D + 1]: a row and its bias, [V] token -> its row, [U]
+            self.table, self.table_bias = rows[:, :-1], rows[:, -1]  # [U, D], [U]
             self.repeated = (counts > 1).nonzero()[:, 0]  # [R] rows that stand for several tokens
             self.log_repeats = counts[self.repeated].float().log()  # [R]
         cfg, weight = model.config, model.wte.weight
@@ -219,7 +221,7 @@ class LossMeter:
         if self.table is None:
             logits = self.model.unembed(x).float()  # [B, T, V]
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
-        logits = F.linear(self.model.ln_f(x), self.table).float()  # [B, T, U]
+        logits = F.linear(self.model.ln_f(x), self.table, self.table_bias).float()  # [B, T, U]
         target = logits.gather(-1, self.row_of[targets][..., None])[..., 0]  # [B, T]
         logits[..., self.repeated] += self.log_repeats  # a row counts once per token it stands for
         return torch.logsumexp(logits, dim=-1) - target

@@ -113,22 +113,18 @@ class TokenDataModule(L.LightningDataModule):
 
 def widen_vocabulary(model: GPT, gpt2_ids: torch.Tensor, unseen_logit: float) -> GPT:
     """The compact-vocabulary model as a GPT-2-vocabulary one: row ``gpt2_ids[i]`` gets compact row i,
-    and every never-seen token a row whose logit is ``unseen_logit`` whatever the input.
-
-    Why a constant: ln_f(x) = gamma * n + beta with n the normalised stream, which sums to zero over
-    the width. For the row w = k / gamma the logit is ln_f(x) . w = k * sum(n) + k * sum(beta / gamma)
-    = k * sum(beta / gamma), the same for every x; k sets it to ``unseen_logit``.
-    """
+    and every never-seen token a zero row and a ``logit_bias`` of ``unseen_logit``, so its logit is
+    exactly that whatever the input, in any precision (a row of the table alone could give a constant
+    logit only through a cancellation that rounding breaks: w = k / gamma against ln_f's mean-free
+    output, with k large when ln_f's sum(beta / gamma) is small; bf16 or int4 weights then turn
+    never-seen tokens into likely ones)."""
     state = dict(model.state_dict())
-    gamma, beta = state["ln_f.weight"], state["ln_f.bias"]  # [D] each
-    per_unit = float((beta / gamma).sum())  # the logit of the row 1 / gamma
-    if abs(per_unit) < 1e-3:
-        raise ValueError(f"ln_f's sum(beta / gamma) is {per_unit:.2e}: no row gives a constant low logit")
-    compact = state["wte.weight"]  # [V_seen, D]
-    table = (unseen_logit / per_unit / gamma).expand(tokens.VOCAB_SIZE, -1).clone()  # [50257, D]
-    table[gpt2_ids] = compact
-    state["wte.weight"] = table
-    cfg = dataclasses.replace(model.config, vocab_size=tokens.VOCAB_SIZE, dropout=0.0)
+    table = state["wte.weight"].new_zeros(tokens.VOCAB_SIZE, model.config.n_embd)  # [50257, D]
+    table[gpt2_ids] = state["wte.weight"]  # [V_seen, D] compact rows
+    bias = torch.full((tokens.VOCAB_SIZE,), unseen_logit)  # [50257]
+    bias[gpt2_ids] = 0.0
+    state["wte.weight"], state["logit_bias"] = table, bias
+    cfg = dataclasses.replace(model.config, vocab_size=tokens.VOCAB_SIZE, dropout=0.0, logit_bias=True)
     return build_model(cfg, state, "builtin (widened)")
 
 

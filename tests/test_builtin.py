@@ -1,6 +1,7 @@
 
 """The builtin model's pipeline (tiny): corpus, compact vocabulary, training, widening, saving, loading."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -11,6 +12,7 @@ from lab.builtin import Recipe, create_builtin, format_report, main
 from lab.config import GPTConfig
 from lab.corpora import stdlib_files
 from lab.model import GPT
+from lab.quantize import quantize
 from lab.token_data import TokenDataModule, widen_vocabulary
 from lab.weights import load_model, read_metadata
 
@@ -43,10 +45,10 @@ def test_token_data_compact_vocabulary_and_split():
 
 def test_widened_vocabulary_keeps_seen_logits_and_pins_the_rest():
     torch.manual_seed(0)
-    compact = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=40, block_size=16)).eval()
-    with torch.no_grad():  # a trained-looking final norm: the trick needs beta != 0
+    compact = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=40, block_size=16)).eval()
+    with torch.no_grad():  # a trained-looking final norm
         compact.ln_f.weight.uniform_(0.5, 1.5)
-        compact.ln_f.bias.normal_(0.0, 0.5)
+        compact.ln_f.bias.normal_(0.0, 0.01)  # sum(beta / gamma) near 0: no table row alone pins a logit
     gpt2_ids = torch.randperm(tokens.VOCAB_SIZE)[:40].sort().values
     wide = widen_vocabulary(compact, gpt2_ids, unseen_logit=-25.0)
     assert wide.config.vocab_size == tokens.VOCAB_SIZE
@@ -58,6 +60,12 @@ def test_widened_vocabulary_keeps_seen_logits_and_pins_the_rest():
     unseen = torch.ones(tokens.VOCAB_SIZE, dtype=torch.bool)
     unseen[gpt2_ids] = False
     torch.testing.assert_close(wide_logits[..., unseen], torch.full_like(wide_logits[..., unseen], -25.0))
+    lows = {"bf16": copy.deepcopy(wide).to(torch.bfloat16), "int4": quantize(copy.deepcopy(wide), "int4")}
+    for name, low in lows.items():  # low-precision weights keep never-seen tokens where they were
+        with torch.no_grad():
+            logits = low(gpt2_ids[idx]).float()  # [B, T, 50257]
+        assert bool((logits[..., unseen] == -25.0).all()), name
+        assert float((logits[..., gpt2_ids] - narrow_logits).abs().max()) < 0.5, name
 
 
 def test_tiny_builtin_pipeline(tmp_path, monkeypatch, capsys):
