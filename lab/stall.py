@@ -609,24 +609,27 @@ def at_init_table(summary: dict) -> str:
 
 def plot_at_init(rows: list[dict], path: Path) -> None:
     """The feed-forward output weight's gradient norm at init against relative depth (block / last),
-    one line per variant and model depth (first seed)."""
+    a colour per variant and a line style per model depth (first seed)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     first_seed = rows[0]["seed"]
+    colours = {spec: f"C{i}" for i, spec in enumerate(dict.fromkeys(row["variant"] for row in rows))}
+    depths = sorted({row["n_layer"] for row in rows})
+    styles = dict(zip(depths, itertools.cycle(["-", "--", ":", "-."])))
     for row in rows:
         if row["seed"] != first_seed:
             continue
         norms = row["mlp.c_proj"]
         at = [i / max(1, len(norms) - 1) for i in range(len(norms))]
-        ax.plot(at, norms, marker=".", label=f"{Variant.parse(row['variant']).label.rsplit(', ', 1)[0]}, "
-                f"{row['n_layer']} blocks")  # fmt: skip
+        label = f"{Variant.parse(row['variant']).label.rsplit(', ', 1)[0]}, {row['n_layer']} blocks"
+        ax.plot(at, norms, ls=styles[row["n_layer"]], color=colours[row["variant"]], label=label)
     ax.set(
         xlabel="block / last block",
         ylabel="mlp.c_proj.weight gradient norm at init",
         yscale="log",
         title="Gradient norm of each feed-forward output weight at initialisation",
     )
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -7,6 +7,13 @@ exit E and draft length K, with the acceptance rate, and whether the greedy toke
 Prompts are held-out standard library source (``lab.corpora``), the text the builtin model was not
 trained on. Each setting decodes the same prompts greedily; the baseline (``all``) is timed in the
 same run, interleaved, so the ratio holds under the machine's load of the moment.
+
+The cost model beside each row: a round drafts ``drafted / rounds`` tokens at ``draft_cost`` (a token
+decoded under ``exit=E``, the draft's own pass, timed in the same run, over a full-depth token) and
+verifies once at ``verify_cost`` (the round's remaining time, in full-depth tokens); it yields
+``tokens_per_verify`` tokens, so the speedup is tokens_per_verify / (drafts * draft_cost +
+verify_cost), and speculation pays once enough drafts are accepted to lift tokens_per_verify above
+the denominator (docs/inference.md works it out for GPT-2 small's shapes).
 """
 
 import argparse
@@ -61,10 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     decode(model, prompts[:1], 8, BlockSet())  # warm-up
     rows = []
     for exit_block in args.exits:
+        full_s, full_tokens, _ = decode(model, prompts, args.new_tokens, BlockSet())
+        exit_s, exit_tokens, _ = decode(model, prompts, args.new_tokens, BlockSet(exit_at=exit_block))
+        draft_cost = (exit_s / sum(map(len, exit_tokens))) / (full_s / sum(map(len, full_tokens)))
         for k in args.drafts:
             spec = BlockSet.parse(f"speculate={exit_block};k={k}", depth)
             full_s, full_tokens, _ = decode(model, prompts, args.new_tokens, BlockSet())
             spec_s, spec_tokens, stats = decode(model, prompts, args.new_tokens, spec)
+            full_token_s = full_s / sum(map(len, full_tokens))
+            round_s = spec_s / max(1, stats.rounds)
+            drafts_per_round = stats.drafted / max(1, stats.rounds)
             rows.append(
                 {
                     "block_set": str(spec),
@@ -73,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                     "speedup": round(full_s / spec_s, 3),
                     "acceptance_rate": round(stats.acceptance_rate or 0.0, 3),
                     "tokens_per_verify": round(sum(map(len, spec_tokens)) / max(1, stats.rounds), 2),
+                    "drafts_per_round": round(drafts_per_round, 2),
+                    "draft_cost": round(draft_cost, 3),
+                    "verify_cost": round(round_s / full_token_s - drafts_per_round * draft_cost, 3),
                     "full_tokens_per_s": round(sum(map(len, full_tokens)) / full_s, 1),
                     "tokens_per_s": round(sum(map(len, spec_tokens)) / spec_s, 1),
                     "greedy_identical": spec_tokens == full_tokens,
@@ -84,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['block_set']:>18}  speedup {r['speedup']:.2f}x  "
                     f"accepted {r['acceptance_rate']:.0%}  "
                     f"{r['tokens_per_s']:.1f} vs {r['full_tokens_per_s']:.1f} tok/s  "
+                    f"draft {r['draft_cost']:.2f} verify {r['verify_cost']:.2f} (full tokens)  "
                     f"identical {r['greedy_identical']}",
                     flush=True,
                 )
