@@ -516,16 +516,19 @@ def plot_grid(grid: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(1.6 * len(col_values) + 2.5, 1.1 * len(row_values) + 1.8))
     image = ax.imshow(loss, cmap="viridis", aspect="auto")
     for r, c in itertools.product(range(len(row_values)), range(len(col_values))):
-        ax.text(c, r, f"{loss[r][c]:.2f}{stalled[r][c]}", ha="center", va="center", color="white", fontsize=9)
+        light = image.norm(loss[r][c]) > 0.6  # viridis turns yellow: dark text reads there
+        text = f"{loss[r][c]:.2f}{stalled[r][c]}"
+        ax.text(c, r, text, ha="center", va="center", color="black" if light else "white", fontsize=9)
         if stalled[r][c]:
             ax.add_patch(
                 plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, hatch="//", edgecolor="red", lw=2)
             )
     ax.set_yticks(range(len(row_values)), [str(v) for v in row_values])
     ax.set_xticks(range(len(col_values)), [str(v) for v in col_values] if col_name else [""])
-    ax.set(
-        ylabel=row_name, xlabel=col_name, title=f"{Variant.parse(grid['variant']).label}: final training loss"
-    )
+    label = Variant.parse(grid["variant"]).label
+    if "warmup" in grid["axes"]:  # the label's warmup is the grid's to vary
+        label = label.rsplit(", ", 1)[0]
+    ax.set(ylabel=row_name, xlabel=col_name, title=f"{label}: final training loss")
     fig.colorbar(image, ax=ax, label=f"nats/char ({SMOOTH}-step mean at the last step)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
