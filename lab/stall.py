@@ -163,22 +163,34 @@ def smoothed(losses: list[float | None], window: int = SMOOTH) -> list[float]:
     return out
 
 
+def model_config(preset: StallPreset, variant: Variant, vocab_size: int) -> GPTConfig:
+    """The model a run of ``variant`` under ``preset`` trains."""
+    return GPTConfig(
+        n_layer=preset.n_layer,
+        n_head=preset.n_head,
+        n_embd=preset.n_embd,
+        vocab_size=vocab_size,
+        block_size=preset.seq_len,
+        norm=variant.norm,
+        norm_type=variant.norm_type,
+    )
+
+
+def init_batches(preset: StallPreset, data: CharDataModule, seed: int) -> list:
+    """The first training batches of ``seed``, on which gradient norms at initialisation are measured.
+    The stream is a pure function of seed and index: no RNG is used, so the run that follows is the same
+    as without this measurement."""
+    windows = RandomWindows(data.train_ids, preset.seq_len, preset.batch_size, seed)
+    return [windows[i] for i in range(INIT_BATCHES)]
+
+
 def train_variant(
     preset: StallPreset, variant: Variant, seed: int, data: CharDataModule, out: Path, report
 ) -> dict:
     """Train one model; its summary row, with the per-step losses under ``losses``."""
     L.seed_everything(seed, verbose=False)
-    config = GPTConfig(
-        n_layer=preset.n_layer,
-        n_head=preset.n_head,
-        n_embd=preset.n_embd,
-        vocab_size=data.vocab_size,
-        block_size=preset.seq_len,
-        norm=variant.norm,
-        norm_type=variant.norm_type,
-    )
     model = LitGPT(
-        config,
+        model_config(preset, variant, data.vocab_size),
         lr=preset.lr,
         betas=preset.betas,
         weight_decay=preset.weight_decay,
@@ -186,10 +198,7 @@ def train_variant(
         block_stats_first=BLOCK_STATS_FIRST,
         block_stats_every=BLOCK_STATS_EVERY,
     )
-    # The first training batches (the stream is a pure function of seed and index): no RNG is used, so
-    # the run that follows is the same as without this measurement.
-    windows = RandomWindows(data.train_ids, preset.seq_len, preset.batch_size, seed)
-    at_init = grad_norms_at_init(model.model, [windows[i] for i in range(INIT_BATCHES)])
+    at_init = grad_norms_at_init(model.model, init_batches(preset, data, seed))
     recorder = LossRecorder(report)
     trainer = L.Trainer(
         **STREAM_TRAINER_ARGS,
@@ -564,16 +573,12 @@ def run_at_init(preset: StallPreset, depths: list[int], variants: list[Variant],
     rows = []
     for seed in preset.seeds:
         data = char_data(preset, seed)
-        windows = RandomWindows(data.train_ids, preset.seq_len, preset.batch_size, seed)
-        batches = [windows[i] for i in range(INIT_BATCHES)]
+        batches = init_batches(preset, data, seed)
         # warmup does not change the initialisation: variants differing only in it are measured once
         distinct = dict.fromkeys(replace(v, warmup=0) for v in variants)
         for depth, variant in itertools.product(depths, distinct):
             L.seed_everything(seed, verbose=False)
-            config = GPTConfig(
-                n_layer=depth, n_head=preset.n_head, n_embd=preset.n_embd, vocab_size=data.vocab_size,
-                block_size=preset.seq_len, norm=variant.norm, norm_type=variant.norm_type,
-            )  # fmt: skip
+            config = model_config(replace(preset, n_layer=depth), variant, data.vocab_size)
             norms = grad_norms_at_init(GPT(config), batches)
             rows.append(
                 {

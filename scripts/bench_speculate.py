@@ -68,14 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     decode(model, prompts[:1], 8, BlockSet())  # warm-up
     rows = []
     for exit_block in args.exits:
-        full_s, full_tokens, _ = decode(model, prompts, args.new_tokens, BlockSet())
-        exit_s, exit_tokens, _ = decode(model, prompts, args.new_tokens, BlockSet(exit_at=exit_block))
-        draft_cost = (exit_s / sum(map(len, exit_tokens))) / (full_s / sum(map(len, full_tokens)))
+        draft_cost = None
         for k in args.drafts:
             spec = BlockSet.parse(f"speculate={exit_block};k={k}", depth)
             full_s, full_tokens, _ = decode(model, prompts, args.new_tokens, BlockSet())
-            spec_s, spec_tokens, stats = decode(model, prompts, args.new_tokens, spec)
             full_token_s = full_s / sum(map(len, full_tokens))
+            if draft_cost is None:  # the draft's own pass, once per E, beside this baseline
+                exit_s, exit_tokens, _ = decode(model, prompts, args.new_tokens, BlockSet(exit_at=exit_block))
+                draft_cost = (exit_s / sum(map(len, exit_tokens))) / full_token_s
+            spec_s, spec_tokens, stats = decode(model, prompts, args.new_tokens, spec)
             round_s = spec_s / max(1, stats.rounds)
             drafts_per_round = stats.drafted / max(1, stats.rounds)
             rows.append(
