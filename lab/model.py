@@ -348,7 +348,10 @@ class GPT(nn.Module):
         self.embed = HookPoint()  # [B, T, D] token + position: the stream's first write
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = make_norm(cfg) if cfg.norm in NORM_FIRST else nn.Identity()
-        self.read_out: nn.Module | None = None  # a quantized copy of the tied table (lab.quantize)
+        self.read_out: nn.Module | None = None  # a quantized copy of the table's read rows (lab.quantize)
+        self.read_rows: torch.Tensor | None = None  # [V_read] rows the read-out multiplies (compact_read_out)
+        self.read_table: torch.Tensor | None  # [V_read, D] those rows, contiguous
+        self.register_buffer("read_table", None, persistent=False)
         self.logit_bias: torch.Tensor | None  # [V], added to every read-out
         self.register_buffer("logit_bias", torch.zeros(cfg.vocab_size) if cfg.logit_bias else None)
         self.exit_probe = None  # lab.exit_probe.ExitProbe: adaptive exit's learned check, fitted per model
@@ -410,20 +413,53 @@ class GPT(nn.Module):
             positions = (positions - padding[:, None]).clamp(min=0)  # [B, T]
         return self.embed(self.drop(self.wte(idx) + self.wpe(positions)))  # [B, T, D]
 
+    ZERO_ROW_SHARE = 0.1
+    """``compact_read_out`` skips a table's zero rows once they are at least this share of it: fewer save
+    less than filling in their logits costs."""
+
+    @torch.no_grad()
+    def compact_read_out(self) -> None:
+        """Have the read-out multiply only the token table's nonzero rows (inference).
+
+        A zero row's logit is its ``logit_bias`` alone (0 without one) whatever the stream, in every
+        precision, so the read-out need not compute it: ``unembed`` multiplies the other rows and fills
+        in the bias. The builtin models' tables are mostly such rows (tokens their corpus never uses).
+        The rows are copied (``read_table``, a buffer that follows ``.to()``), so call this again after
+        changing the table; training does not use it (``unembed`` reads the whole table in train mode).
+        """
+        table = self.wte.weight  # [V, D]
+        nonzero = table.ne(0).any(dim=1)  # [V]
+        if float((~nonzero).float().mean()) < self.ZERO_ROW_SHARE:
+            self.read_rows, self.read_table = None, None
+            return
+        self.read_rows = nonzero.nonzero()[:, 0]  # [V_read]
+        self.read_table = table[self.read_rows].contiguous()  # [V_read, D]
+
     def unembed(self, x: torch.Tensor) -> torch.Tensor:
         """Read the stream out: final norm, then the tied token table (and ``logit_bias``, if the model
         has one). [B, T, D] -> [B, T, V]."""
         h = self.ln_f(x)  # [B, T, D]
+        sparse = self.read_rows is not None and not self.training
+        table = self.read_table if sparse else self.wte.weight  # [V_read or V, D]
         if self.read_out is not None:
-            logits = self.read_out(h)  # [B, T, V]
+            logits = self.read_out(h)  # [B, T, V_read or V]
         elif h.numel() == h.size(-1):  # one position (decoding): a matrix-vector product, as in Linear
-            logits = torch.mv(self.wte.weight, h.reshape(-1)).view(*h.shape[:-1], -1)  # [1, 1, V]
+            logits = torch.mv(table, h.reshape(-1)).view(*h.shape[:-1], -1)  # [1, 1, V_read or V]
         elif ROWS_ALONE.get():
-            rows = matmul_rows_alone(h.reshape(-1, h.size(-1)), self.wte.weight.t(), None)  # [B*T, V]
-            logits = rows.view(*h.shape[:-1], -1)  # [B, T, V]
+            rows = matmul_rows_alone(h.reshape(-1, h.size(-1)), table.t(), None)  # [B*T, V_read or V]
+            logits = rows.view(*h.shape[:-1], -1)  # [B, T, V_read or V]
         else:
-            logits = F.linear(h, self.wte.weight)  # [B, T, V]
-        return logits if self.logit_bias is None else logits + self.logit_bias.to(logits.dtype)
+            logits = F.linear(h, table)  # [B, T, V_read or V]
+        if not sparse:
+            return logits if self.logit_bias is None else logits + self.logit_bias.to(logits.dtype)
+        full = (  # [B, T, V]: every skipped row's logit is its bias
+            logits.new_zeros(*logits.shape[:-1], self.config.vocab_size)
+            if self.logit_bias is None
+            else self.logit_bias.to(logits.dtype).expand(*logits.shape[:-1], -1).clone()
+        )
+        if self.logit_bias is not None:
+            logits = logits + self.logit_bias[self.read_rows].to(logits.dtype)  # [B, T, V_read]
+        return full.index_copy_(-1, self.read_rows, logits)  # [B, T, V]
 
     def run_blocks(
         self,

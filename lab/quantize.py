@@ -139,7 +139,8 @@ def quantize(model: GPT, dtype: str) -> GPT:
         parent_name, _, attribute = name.rpartition(".")
         quantized = QuantizedLinear(linear.weight.t(), linear.bias, bits)  # Linear's weight is [in, out]
         setattr(model.get_submodule(parent_name), attribute, quantized)
-    model.read_out = QuantizedLinear(model.wte.weight, None, bits)  # the tied table [V, D] is [out, in]
+    table = model.wte.weight if model.read_rows is None else model.read_table  # [V or V_read, D]: [out, in]
+    model.read_out = QuantizedLinear(table, None, bits)  # the rows the read-out multiplies
     return model.eval().requires_grad_(False)
 
 

@@ -284,6 +284,7 @@ def build_model(
     model.to_empty(device=device)  # uninitialised, in the model's own memory layout (see lab.model.Linear)
     with torch.no_grad():
         model.load_state_dict(state, strict=True)  # copies the values in, converting the dtype
+    model.compact_read_out()  # a table of mostly zero rows: the read-out multiplies the others
     return model.eval()
 
 
