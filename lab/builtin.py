@@ -1,22 +1,29 @@
-"""``blocklab builtin``: train the embedded default model once, into the user's cache dir.
+"""``blocklab builtin``: the embedded default models, how they are made, and making them again.
 
-    blocklab builtin            # ~10 minutes on 2 CPU cores; then `--model builtin` works everywhere
-    blocklab builtin --force    # train again
-    blocklab builtin --recipe early-exit   # the same with LayerSkip's recipe: `--model builtin-early-exit`
+    blocklab builtin --show                 # the shipped model's training report (nothing is trained)
+    blocklab builtin                        # train it again into your cache dir: the same steps, seed, data
+    blocklab builtin --recipe early-exit    # the same with LayerSkip's recipe: `--model builtin-early-exit`
+    blocklab builtin --minutes 5            # time-boxed instead: as many steps as fit (differs per machine)
+    blocklab builtin --reset                # forget your copy: `--model builtin` is the shipped one again
 
-GPT-2's own weights cannot be downloaded everywhere, so blocklab makes a GPT-2-shaped model of its own:
-the GPT-2 tokenizer, 12 blocks, narrower (width 128, 4 heads, context 256), trained with the Lightning
-lab (``lab.train.LitGPT``) on the CPython standard library's own source (``lab.token_data``): every
-Python install carries the same corpus, so nothing is downloaded. It trains in a compact vocabulary
-of the tokens the corpus uses and is widened to GPT-2's 50257 rows before saving (see
-``lab.token_data``). The report gives its validation loss and the loss with each block skipped, to
-show that every block matters. Saved with ``lab.weights.save_model`` in ``lab.weights.builtin_dir()``
-(``~/.cache/blocklab/builtin``, or ``$BLOCKLAB_CACHE/builtin``).
+GPT-2's own weights cannot be downloaded everywhere, so blocklab ships a GPT-2-shaped model of its own
+(lab/assets/builtin): the GPT-2 tokenizer, 12 blocks, narrower (width 128, 4 heads, context 256),
+trained with the Lightning lab (``lab.train.LitGPT``) on the CPython standard library's own source
+(``lab.token_data``): every Python install carries the same corpus, so nothing is downloaded.
+
+A run is a fixed number of optimiser steps at a fixed precision over a seeded data order, so the same
+command with the same seed and thread count gives the same weights on a machine, and the machine only
+changes how long it takes. The model trains in a compact vocabulary of the tokens the corpus uses;
+only those rows are stored (fp16) and loading widens it to GPT-2's 50257 (``lab.weights.save_model``).
+The report beside the weights gives the command, the validation loss, the loss with each block skipped
+and each early exit, the n-gram baselines and the machine it ran on. A retrained model is written to
+``lab.weights.builtin_dir()`` (``~/.cache/blocklab/builtin``, or ``$BLOCKLAB_CACHE/builtin``), which
+``--model builtin`` then prefers; ``--out DIR`` writes elsewhere (``--out lab/assets/builtin``
+remakes the shipped one).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import platform
@@ -24,8 +31,9 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
@@ -36,28 +44,45 @@ from lab import tokens
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
 from lab.corpora import HELD_OUT_EVERY, stdlib_files
-from lab.exit_probe import ExitProbe, fit_exit_probe_on_files, load_exit_probe, save_exit_probe
+from lab.exit_probe import ExitProbe, fit_exit_probe_on_files
+from lab.machine import cpu_description
 from lab.model import GPT
+from lab.options import parse
 from lab.token_data import TokenDataModule, lowest_log_normaliser, ngram_baselines, widen_vocabulary
 from lab.train import STREAM_TRAINER_ARGS, LitGPT
-from lab.weights import FORMAT_FILE, builtin_dir, load_model, read_metadata, save_model
+from lab.weights import (
+    FORMAT_FILE,
+    builtin_dir,
+    builtin_source,
+    read_metadata,
+    save_model,
+    shipped_dir,
+)
+
+STORED_DTYPE = torch.float16
+"""The builtin models' weights as stored: their report is measured on these values, not on fp32's."""
 
 
 @dataclass
 class Recipe:
-    """How the builtin model is made. The defaults fit ~10 minutes on 2 CPU cores."""
+    """How a builtin model is made."""
 
     n_layer: int = 12
     n_head: int = 4
     n_embd: int = 128
-    """Narrow: at GPT-2's vocabulary the unembedding is most of a step; 128 trains far enough in time."""
+    """Narrow: at GPT-2's vocabulary the unembedding is most of a step, and 128 trains far on a CPU."""
     block_size: int = 256
     batch_size: int = 8
-    """Windows of block_size tokens per step: small batches, many steps, for a short budget."""
-    max_steps: int | None = None
-    """Optimiser steps; None: as many as fit in ``minutes``, measured on this machine before training."""
-    minutes: float = 10.0
-    """Budget of the whole command (corpus, training, evaluation); training stops here regardless."""
+    """Windows of block_size tokens per step: small batches, many steps."""
+    steps: int = 1200
+    """Optimiser steps (``minutes`` replaces them with as many as fit)."""
+    minutes: float | None = None
+    """A wall-clock budget for the whole command instead of ``steps``: the steps that fit, measured
+    here first (so the model differs from machine to machine)."""
+    precision: Literal["32-true", "bf16-mixed"] = "32-true"
+    """Lightning's precision. fp32 everywhere: bf16 is fast only on CPUs with bf16 units."""
+    threads: int | None = None
+    """Torch threads for training (None: torch's default, the cores); the weights depend on it."""
     muon_lr: float = 0.02
     """Muon's learning rate for the blocks' matrices (``lab.optim``)."""
     lr: float = 3e-3
@@ -65,8 +90,6 @@ class Recipe:
     min_lr_fraction: float = 0.1
     """The cosine ends at this fraction of both learning rates."""
     weight_decay: float = 0.1
-    precision: str | None = None
-    """Lightning precision ('32-true', 'bf16-mixed'); None: the faster of the two, measured here."""
     max_files: int | None = None
     """Use only the first files of the standard library (tests use a handful)."""
     val_every: int = HELD_OUT_EVERY
@@ -74,47 +97,46 @@ class Recipe:
     eval_batches: int = 4
     """Validation batches (of batch_size windows of block_size tokens) for the report."""
     seed: int = 1
-    layer_dropout: float = 0.0
-    """LayerSkip's layer dropout at the last block (``lab.train.LitGPT``); 0: off."""
-    layer_dropout_curriculum: str = "constant"
-    """constant, or exponential: the rates grow from none to full over training."""
-    early_exit_loss: float = 0.0
-    """LayerSkip's early-exit loss scale (``lab.train.LitGPT``); 0: off."""
-    early_exit_every: int = 1
-    """Its rotational curriculum: every this-many-th block's read-out trained per step."""
-    early_exit_tokens: float = 1.0
-    """The share of a batch's positions whose exit losses are computed (``lab.train.LitGPT``)."""
+    """Seeds the initialisation, the data order and layer dropout."""
+    layerskip: dict[str, float | str] = field(default_factory=dict)
+    """LayerSkip's options of ``lab.train.LitGPT`` (layer_dropout, early_exit_loss, ...); none: off."""
 
 
-RECIPES = {
+RECIPES: dict[str, dict] = {
     "plain": {},
     # LayerSkip's recipe at the builtin's size. At width 128 one read-out (the compact vocabulary's
-    # unembedding) costs about half a plain step, and in a ten-minute budget every step counts: exits
-    # are trained on every other block per step and a 32nd of the positions, which costs a few
-    # percent per step (the s/step `blocklab builtin` prints). Their weights together are about a
-    # quarter of the last block's, and layer dropout is mild and rises from none as training goes
-    # (LayerSkip's pretraining curriculum): a few hundred steps leave no depth to spare.
+    # unembedding) costs about half a plain step: exits are trained on every other block per step
+    # and a 32nd of the positions. Their weights together are about a quarter of the last block's,
+    # and layer dropout is mild and rises from none as training goes (LayerSkip's curriculum).
     "early-exit": {
-        "layer_dropout": 0.05,
-        "layer_dropout_curriculum": "exponential",
-        "early_exit_loss": 0.1,
-        "early_exit_every": 2,
-        "early_exit_tokens": 1 / 32,
+        "layerskip": {
+            "layer_dropout": 0.05,
+            "layer_dropout_curriculum": "exponential",
+            "early_exit_loss": 0.1,
+            "early_exit_every": 2,
+            "early_exit_tokens": 1 / 32,
+        }
     },
 }
 """``blocklab builtin --recipe NAME``: the Recipe fields each one sets."""
 
-
 UNSEEN_MARGIN = 15.0
 """Nats below the lowest log-normaliser seen on validation text at which never-seen tokens sit."""
+VALIDATIONS = 4
+"""Validations during training (TensorBoard's val/loss curve)."""
+
+
+def model_name(recipe: str) -> str:
+    """The ``--model`` name of a recipe's model."""
+    return "builtin" if recipe == "plain" else f"builtin-{recipe}"
 
 
 @torch.inference_mode()
 def evaluate(model: GPT, compact: GPT, dm: TokenDataModule) -> dict:
     """Validation loss (nats/token) of the widened ``model``, the probability it puts on tokens the
-    corpus never uses, and the loss with each block skipped. The skips run on the ``compact`` model:
-    the same logits for every token that occurs, so the same loss up to that (measured) probability,
-    at 1/2.6 of the unembedding's cost."""
+    corpus never uses, and the loss with each block skipped and with each early exit. The skips and
+    exits run on the ``compact`` model: the same logits for every token that occurs, so the same loss
+    up to that (measured) probability."""
     compact_batches = list(dm.val_dataloader())
     unseen = torch.ones(tokens.VOCAB_SIZE, dtype=torch.bool)  # [50257]
     unseen[dm.gpt2_ids] = False
@@ -140,56 +162,27 @@ def evaluate(model: GPT, compact: GPT, dm: TokenDataModule) -> dict:
     }
 
 
-def layerskip_options(recipe: Recipe) -> dict:
-    """The recipe's LayerSkip fields, as ``LitGPT`` takes them."""
-    names = [f.name for f in dataclasses.fields(Recipe) if f.name.startswith(("layer_dropout", "early_exit"))]
-    return {name: getattr(recipe, name) for name in names}
-
-
-def seconds_per_step(
-    cfg: GPTConfig,
-    initial: dict,
-    dm: TokenDataModule,
-    recipe: Recipe,
-    threads: int,
-    precision: str,
-    give_up_after: float = math.inf,
-) -> float:
-    """Wall time of one training step (forward, backward, optimiser) on this machine with ``threads``
-    torch threads at ``precision``, measured on a throwaway copy of the model. A setting whose first
-    step takes longer than ``give_up_after`` seconds is abandoned (inf): it cannot be the fastest."""
-    torch.set_num_threads(threads)
-    probe = LitGPT(
-        cfg, optimizer="muon", muon_lr=recipe.muon_lr, lr=recipe.lr, max_steps=1, **layerskip_options(recipe)
-    )
-    probe.model.load_state_dict(initial)
+def seconds_per_step(lit: LitGPT, dm: TokenDataModule, precision: str) -> float:
+    """Wall time of one training step (forward, backward, optimiser) here, on a throwaway copy of
+    ``lit``'s model: the faster of two steps after a warm-up. Random state is left as it was."""
+    probe = LitGPT(lit.config, **{k: v for k, v in lit.hparams.items() if k != "config"})
+    probe.model.load_state_dict(lit.model.state_dict())
     optimizer = probe.configure_optimizers()["optimizer"]
     x, y = next(iter(dm.train_dataloader()))  # [B, T] each
     times = []
-    for _ in range(3):  # the first is a warm-up
-        start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            loss, _ = probe.objective(x, y)  # the recipe's own step: its read-outs cost time too
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        times.append(time.perf_counter() - start)
-        if times[0] > give_up_after:
-            return math.inf
+    with torch.random.fork_rng(devices=[]):
+        for _ in range(3):
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+                loss, _ = probe.objective(x, y)  # the recipe's own step: its read-outs cost time too
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            times.append(time.perf_counter() - start)
     return min(times[1:])
 
 
-def create_builtin(recipe: Recipe | None = None, directory: Path | None = None) -> dict:
-    """Train, widen, evaluate and save the builtin model; returns the report saved as its metadata."""
-    threads = torch.get_num_threads()
-    try:
-        return _create(recipe or Recipe(), directory or builtin_dir())
-    finally:
-        torch.set_num_threads(threads)  # training may pick fewer threads (see _create)
-
-
-def _create(recipe: Recipe, directory: Path) -> dict:
-    started = time.perf_counter()
+def data_module(recipe: Recipe) -> TokenDataModule:
     files = stdlib_files(recipe.max_files)
     dm = TokenDataModule(
         files, seq_len=recipe.block_size, batch_size=recipe.batch_size, val_every=recipe.val_every,
@@ -201,105 +194,135 @@ def _create(recipe: Recipe, directory: Path) -> dict:
         f"{dm.vocab_size:,} distinct tokens",
         file=sys.stderr,
     )
+    return dm
+
+
+def lightning_module(recipe: Recipe, cfg: GPTConfig, steps: int, train_seconds: float | None) -> LitGPT:
+    return LitGPT(
+        cfg, optimizer="muon", muon_lr=recipe.muon_lr, lr=recipe.lr, weight_decay=recipe.weight_decay,
+        warmup_steps=max(steps // 10, 1), schedule="cosine", min_lr=recipe.lr * recipe.min_lr_fraction,
+        max_steps=steps, train_seconds=train_seconds, **recipe.layerskip,
+    )  # fmt: skip
+
+
+def plan(recipe: Recipe, lit: LitGPT, dm: TokenDataModule, started: float) -> tuple[int, float | None]:
+    """The steps to train and the training time budget (None: steps alone), with the estimate printed
+    before training: the measured time of a step, times the steps, plus evaluation and the probe."""
+    step_seconds = seconds_per_step(lit, dm, recipe.precision)
+    # Afterwards: a validation forward is ~1/3 of a step, for each of 1.5 L + 2 passes (the widened
+    # model, the compact one per skipped block and per exit), and the exit probe ~L/2 of those.
+    after = recipe.eval_batches * (2 * recipe.n_layer + 2) * step_seconds / 3
+    passes = 1 + (recipe.n_layer - 1) / 2 if recipe.layerskip.get("early_exit_loss", 0) > 0 else 1
+    validation = VALIDATIONS * recipe.eval_batches * passes * step_seconds / 3
+    train_seconds = None
+    steps = recipe.steps
+    if recipe.minutes is not None:
+        train_seconds = recipe.minutes * 60 - (time.perf_counter() - started) - after
+        steps = max(int((train_seconds - validation) / step_seconds), 10)
+    total = steps * step_seconds + validation + after
+    threads, boxed = torch.get_num_threads(), " (time-boxed)" if train_seconds else ""
+    print(
+        f"{step_seconds:.2f} s/step here ({threads} threads, {recipe.precision}): {steps} steps, "
+        f"about {total / 60:.0f} min in all{boxed}",
+        file=sys.stderr,
+    )
+    return steps, train_seconds
+
+
+def train(recipe: Recipe, lit: LitGPT, dm: TokenDataModule, steps: int, train_seconds, logs: Path) -> int:
+    """Fit ``lit`` on ``dm`` for ``steps`` steps (or until ``train_seconds``); the steps taken."""
+    trainer = L.Trainer(
+        **STREAM_TRAINER_ARGS,
+        accelerator="cpu",
+        devices=1,
+        precision=recipe.precision,
+        max_steps=steps,
+        max_epochs=1,
+        limit_train_batches=steps,  # one "epoch" is the whole run: the bar shows its end and its ETA
+        val_check_interval=max(steps // VALIDATIONS, 1),
+        limit_val_batches=recipe.eval_batches,
+        num_sanity_val_steps=0,
+        max_time=None if train_seconds is None else {"seconds": max(train_seconds, 1)},
+        gradient_clip_val=1.0,
+        logger=TensorBoardLogger(logs, name="", version=""),
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=10,
+    )
+    L.seed_everything(recipe.seed, verbose=False)  # layer dropout's draws start from the seed too
+    trainer.fit(lit, datamodule=dm)
+    return trainer.global_step
+
+
+def create_builtin(recipe: Recipe | None = None, directory: Path | None = None, command: str = "") -> dict:
+    """Train, round to the stored precision, evaluate, fit the exit probe and save a builtin model;
+    returns the report saved as its metadata."""
+    recipe = recipe or Recipe()
+    directory = directory or builtin_dir()
+    threads = torch.get_num_threads()
+    if recipe.threads is not None:
+        torch.set_num_threads(recipe.threads)
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            report = _create(recipe, directory, Path(scratch) / "logs", command)
+    finally:
+        torch.set_num_threads(threads)
+    return report
+
+
+def _create(recipe: Recipe, directory: Path, logs: Path, command: str) -> dict:
+    started = time.perf_counter()
+    dm = data_module(recipe)
     cfg = GPTConfig(
         n_layer=recipe.n_layer, n_head=recipe.n_head, n_embd=recipe.n_embd, vocab_size=dm.vocab_size,
         block_size=recipe.block_size,
     )  # fmt: skip
     L.seed_everything(recipe.seed, verbose=False)
-    initial = GPT(cfg).state_dict()  # the seeded initialisation: the same for the probes and the run
-    # On a CPU shared with other jobs, 2 threads can be several times slower than 1 (each op waits for
-    # its slowest thread), and bf16 pays only where the CPU has bf16 units: measure, train the fastest.
-    precisions = [recipe.precision] if recipe.precision else ["32-true", "bf16-mixed"]
-    step_seconds, threads, precision = math.inf, 1, precisions[0]
-    for n in sorted({1, torch.get_num_threads()}):
-        for p in precisions:
-            # a warm-up step takes longer than the steps after it, but not three times as long
-            seconds = seconds_per_step(cfg, initial, dm, recipe, n, p, give_up_after=3 * step_seconds)
-            if seconds < step_seconds:
-                step_seconds, threads, precision = seconds, n, p
-    torch.set_num_threads(threads)
-    # The evaluation at the end: a validation batch forward is ~1/3 of a plain step, for each of
-    # 1.5 n_layer + 2 passes (the widened model once, the compact one with each block skipped, the
-    # exits at half a pass each on average), and the baselines.
-    evaluation = 0.5 * recipe.eval_batches * (1.5 * recipe.n_layer + 2) * step_seconds + 5 + PROBE_SECONDS
-    train_seconds = recipe.minutes * 60 - (time.perf_counter() - started) - evaluation
-    # Validation runs VALIDATIONS times inside the training time: eval_batches forwards of ~1/3 of a plain
-    # step each, plus (under the early-exit loss) every block's read-out, half a forward each.
-    passes = 1 + (recipe.n_layer - 1) / 2 if recipe.early_exit_loss > 0 else 1
-    validation = VALIDATIONS * recipe.eval_batches * passes * step_seconds / 3
-    max_steps = recipe.max_steps or max(int((train_seconds - validation) / step_seconds), 10)
-    print(
-        f"{step_seconds:.2f} s/step with {threads} thread(s) at {precision}: training {max_steps} steps",
-        file=sys.stderr,
-    )
-    lit = LitGPT(
-        cfg, optimizer="muon", muon_lr=recipe.muon_lr,
-        train_seconds=train_seconds if recipe.max_steps is None else None,
-        lr=recipe.lr, weight_decay=recipe.weight_decay,
-        warmup_steps=max(max_steps // 10, 1), schedule="cosine", min_lr=recipe.lr * recipe.min_lr_fraction,
-        max_steps=max_steps, **layerskip_options(recipe),
-    )  # fmt: skip
+    initial = GPT(cfg).state_dict()  # the seeded initialisation
+    steps, train_seconds = plan(recipe, lightning_module(recipe, cfg, recipe.steps, None), dm, started)
+    lit = lightning_module(recipe, cfg, steps, train_seconds)
     lit.model.load_state_dict(initial)
-    with tempfile.TemporaryDirectory() as scratch:
-        logs = Path(scratch) / "logs"
-        trainer = L.Trainer(
-            **STREAM_TRAINER_ARGS,
-            accelerator="cpu",
-            devices=1,
-            precision=precision,
-            max_steps=max_steps,
-            max_epochs=1,
-            limit_train_batches=max_steps,  # one "epoch" is the whole run: the bar shows its end
-            val_check_interval=max(max_steps // VALIDATIONS, 1),
-            limit_val_batches=recipe.eval_batches,
-            num_sanity_val_steps=0,
-            max_time={"seconds": max(train_seconds, 1)},
-            gradient_clip_val=1.0,
-            logger=TensorBoardLogger(logs, name="", version=""),
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            log_every_n_steps=10,
-        )
-        trainer.fit(lit, datamodule=dm)
-        train_seconds = time.perf_counter() - started
-        compact = lit.model.eval()
-        n_unseen = tokens.VOCAB_SIZE - dm.vocab_size
-        unseen_logit = lowest_log_normaliser(compact, dm) - math.log(n_unseen) - UNSEEN_MARGIN
-        model = widen_vocabulary(compact, dm.gpt2_ids, unseen_logit)
-        report = {
-            "python": platform.python_version(),
-            "files": len(files),
-            "val_files": dm.n_val_files,
-            "train_tokens": len(dm.train_ids),
-            "distinct_tokens": dm.vocab_size,
-            "unseen_logit": unseen_logit,
-            "steps": trainer.global_step,
-            "planned_steps": max_steps,
-            "tokens_seen": trainer.global_step * recipe.batch_size * recipe.block_size,
-            "seconds_per_step": round(step_seconds, 3),
-            "threads": threads,
-            "precision": precision,
-            "train_seconds": round(train_seconds, 1),
-            "baselines": ngram_baselines(dm),
-            "recipe": dataclasses.asdict(recipe),
-            **evaluate(model, compact, dm),
-        }
-        model.exit_probe = fit_probe(model, files, recipe.val_every)
-        report["total_seconds"] = round(time.perf_counter() - started, 1)
-        save_model(model, directory, metadata=report)  # with the probe
-        shutil.rmtree(directory / "logs", ignore_errors=True)  # a model made again: only its own run
-        shutil.copytree(logs, directory / "logs")  # TensorBoard: train/loss, val/loss
+    taken = train(recipe, lit, dm, steps, train_seconds, logs)
+    trained = time.perf_counter() - started
+    compact = lit.model.eval().to(STORED_DTYPE).float()  # the values stored: the report measures these
+    n_unseen = tokens.VOCAB_SIZE - dm.vocab_size
+    unseen_logit = lowest_log_normaliser(compact, dm) - math.log(n_unseen) - UNSEEN_MARGIN
+    print("evaluating: the loss with each block skipped and each early exit ...", file=sys.stderr)
+    model = widen_vocabulary(compact, dm.gpt2_ids, unseen_logit)
+    report = {
+        "command": command,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": cpu_description(),
+        "threads": torch.get_num_threads(),
+        "files": dm.n_files,
+        "val_files": dm.n_val_files,
+        "train_tokens": len(dm.train_ids),
+        "distinct_tokens": dm.vocab_size,
+        "unseen_logit": unseen_logit,
+        "steps": taken,
+        "planned_steps": steps,
+        "tokens_seen": taken * recipe.batch_size * recipe.block_size,
+        "precision": recipe.precision,
+        "stored_dtype": str(STORED_DTYPE).removeprefix("torch."),
+        "train_seconds": round(trained, 1),
+        "baselines": ngram_baselines(dm),
+        "recipe": dataclasses.asdict(recipe),
+        **evaluate(model, compact, dm),
+    }
+    files = stdlib_files(recipe.max_files)
+    compact.exit_probe = fit_probe(model, files, recipe.val_every)
+    report["total_seconds"] = round(time.perf_counter() - started, 1)
+    vocabulary = (dm.gpt2_ids, unseen_logit)
+    save_model(compact, directory, metadata=report, vocabulary=vocabulary, dtype=STORED_DTYPE)
+    shutil.rmtree(directory / "logs", ignore_errors=True)  # a model made again: only its own run
+    shutil.copytree(logs, directory / "logs")  # TensorBoard: train/loss, val/loss
+    (directory / "REPORT.txt").write_text(format_report(report) + "\n")
     return report
 
 
-VALIDATIONS = 4
-"""Validations during training (TensorBoard's val/loss curve)."""
-PROBE_SECONDS = 30
-"""What fitting the probe takes on 2 cores (reserved from the training budget)."""
-
-
 def fit_probe(model: GPT, files: list[Path], val_every: int) -> ExitProbe:
-    """The model's exit probe, fitted on windows of the training files, and the time it took."""
+    """The model's exit probe, fitted on windows of the training files."""
     started = time.perf_counter()
     probe = fit_exit_probe_on_files(model, files, val_every)
     print(f"exit probe: fitted in {time.perf_counter() - started:.0f} s", file=sys.stderr)
@@ -309,9 +332,11 @@ def fit_probe(model: GPT, files: list[Path], val_every: int) -> ExitProbe:
 def format_report(report: dict) -> str:
     loss = report["val_loss"]
     lines = [
-        f"builtin: {report['steps']} steps ({report['tokens_seen']:,} tokens), "
-        f"{report['total_seconds']:.0f} s in all, on the Python {report['python']} standard library "
-        f"({report['files']} files)",
+        f"`{report['command']}`" if report.get("command") else "builtin",
+        f"{report['steps']} steps ({report['tokens_seen']:,} tokens) at {report['precision']} with "
+        f"{report.get('threads', '?')} threads, {report['total_seconds']:.0f} s in all on "
+        f"{report.get('machine', 'an unrecorded machine')}, on the Python {report['python']} standard "
+        f"library ({report['files']} files)",
         f"validation loss {loss:.3f} nats/token (perplexity {math.exp(loss):.1f}); count models of the "
         f"training split on the same text: unigram {report['baselines']['unigram']:.3f}, bigram "
         f"{report['baselines']['bigram']:.3f}; probability on never-seen tokens "
@@ -319,44 +344,68 @@ def format_report(report: dict) -> str:
         "validation loss with one block skipped:",
     ]
     for i, skipped in enumerate(report["val_loss_skip"]):
-        lines.append(f"  skip={i:<3d} {skipped:.3f}  (+{skipped - loss:.3f})")
-    if "val_loss_exit" in report:
-        lines.append("validation loss read out early:")
-        for exit_at, early in enumerate(report["val_loss_exit"], start=1):
-            lines.append(f"  exit={exit_at:<3d} {early:.3f}  (+{early - loss:.3f})")
+        lines.append(f"  skip={i:<3d} {skipped:.3f}  ({skipped - loss:+.3f})")
+    lines.append("validation loss read out early:")
+    for exit_at, early in enumerate(report["val_loss_exit"], start=1):
+        lines.append(f"  exit={exit_at:<3d} {early:.3f}  ({early - loss:+.3f})")
     if loss >= report["baselines"]["bigram"]:
-        # measured: 804 steps on 2 idle cores reach 2.71; 341 steps on a busy machine stayed at 3.31
         lines.append(
-            f"note: {report['steps']} steps left the model short of the bigram count model; the budget "
-            "is wall time, so a busy machine trains less: run again on a quieter one, or with --minutes 20"
+            f"note: {report['steps']} steps left the model short of the bigram count model: train "
+            "longer (--steps)"
         )
     return "\n".join(lines)
 
 
+@dataclass
+class BuiltinOptions:
+    recipe: Literal["plain", "early-exit"] = "plain"
+    """plain, or early-exit: LayerSkip's layer dropout and early-exit losses (--model
+    builtin-early-exit)."""
+    steps: int = Recipe.steps
+    """Optimiser steps."""
+    minutes: float | None = None
+    """Time-boxed instead: as many steps as fit in this many minutes here (the model then differs per
+    machine)."""
+    seed: int = Recipe.seed
+    """Seeds the initialisation, the data order and layer dropout."""
+    threads: int | None = None
+    """Torch threads (default: the cores); the same seed and threads give the same weights."""
+    out: Path | None = None
+    """Write the model here instead of the cache dir (lab/assets/builtin remakes the shipped one)."""
+    force: bool = False
+    """Train again even if the cache dir already holds a model."""
+    show: bool = False
+    """Print the report of the model --model uses now (yours if you retrained, else the shipped one)."""
+    reset: bool = False
+    """Remove your retrained copy: --model uses the shipped one again."""
+
+
 def main(argv: list[str]) -> int:
-    """``blocklab builtin [--force] [--minutes M] [--steps N]``."""
-    parser = argparse.ArgumentParser(prog="blocklab builtin", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--force", action="store_true", help="train again even if the model exists")
-    parser.add_argument("--minutes", type=float, default=Recipe.minutes, help="time budget of the command")
-    parser.add_argument("--steps", type=int, default=None, help="optimiser steps (default: fit the budget)")
-    parser.add_argument(
-        "--recipe",
-        choices=list(RECIPES),
-        default="plain",
-        help="early-exit: LayerSkip's layer dropout and early-exit loss, saved as builtin-early-exit",
-    )
-    args = parser.parse_args(argv[1:])
-    name = "builtin" if args.recipe == "plain" else f"builtin-{args.recipe}"
-    directory = builtin_dir(name)
-    if (directory / FORMAT_FILE).exists() and not args.force:
-        report = read_metadata(directory)
-        if load_exit_probe(directory) is None:  # made before the probe existed: fit it now
-            recipe = report["recipe"]
-            probe = fit_probe(load_model(name), stdlib_files(recipe["max_files"]), recipe["val_every"])
-            save_exit_probe(probe, directory)
-        print(f"{directory} exists (train again with --force)\n{format_report(report)}")
+    summary = __doc__.split("\n\n")[0]
+    options = parse(BuiltinOptions, argv[1:], prog="blocklab builtin", description=summary)
+    name = model_name(options.recipe)
+    directory = options.out or builtin_dir(name)
+    if options.reset:
+        shutil.rmtree(builtin_dir(name), ignore_errors=True)
+        print(f"removed {builtin_dir(name)}: --model {name} is the shipped one ({shipped_dir(name)})")
         return 0
-    recipe = Recipe(max_steps=args.steps, minutes=args.minutes, **RECIPES[args.recipe])
-    report = create_builtin(recipe, directory)
-    print(f"saved to {directory}\n{format_report(report)}")
+    if options.show or ((directory / FORMAT_FILE).exists() and not options.force):
+        source = builtin_source(name) if options.show else directory
+        shipped = "shipped" if source == shipped_dir(name) else "retrained"
+        hint = "" if options.show else " (train again with --force)"
+        print(f"{source} ({shipped}){hint}\n{format_report(read_metadata(source))}")
+        return 0
+    recipe = Recipe(
+        steps=options.steps, minutes=options.minutes, seed=options.seed, threads=options.threads,
+        **RECIPES[options.recipe],
+    )  # fmt: skip
+    # what makes the model: its destination and --force do not change it
+    made_by = [f"--recipe {options.recipe}"] * (options.recipe != "plain") + [f"--steps {options.steps}"]
+    made_by += [
+        f"--{name} {getattr(options, name)}" for name in ("minutes", "threads") if getattr(options, name)
+    ]
+    command = " ".join(["blocklab builtin", *made_by, f"--seed {options.seed}"])
+    report = create_builtin(recipe, directory, command)
+    note = f"; --model {name} now uses it" if directory == builtin_dir(name) else ""
+    print(f"saved to {directory}{note}\n{format_report(report)}")
     return 0

@@ -88,13 +88,15 @@ def fit_exit_probe(model: GPT, windows: list[list[int]], l2: float = 1e-3, max_i
     return ExitProbe(weight=params[:, :-1].contiguous(), bias=params[:, -1].contiguous())
 
 
-def save_exit_probe(probe: ExitProbe, directory: Path) -> None:
-    """Written through a temporary name then renamed, as ``lab.weights.save_model`` writes weights."""
+def save_exit_probe(probe: ExitProbe, directory: Path) -> Path:
+    """Written through a temporary name then renamed, as ``lab.weights.save_model`` writes weights;
+    returns the file."""
     path = Path(directory) / FILE
     temporary = path.with_name(FILE + ".tmp")
     tensors = {"weight": probe.weight.cpu().contiguous(), "bias": probe.bias.cpu().contiguous()}
     save_file(tensors, str(temporary))
     temporary.replace(path)
+    return path
 
 
 def load_exit_probe(directory: Path, model: GPT | None = None) -> ExitProbe | None:

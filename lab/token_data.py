@@ -18,7 +18,6 @@ files. Batches come from ``lab.data``'s resumable random-window stream.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import lightning as L
@@ -29,7 +28,7 @@ from lab import tokens
 from lab.corpora import HELD_OUT_EVERY
 from lab.data import DataError, EvenWindows, RandomWindows, StepSampler
 from lab.model import GPT
-from lab.weights import build_model
+from lab.weights import build_model, widen_state
 
 
 def encode_files(paths: list[Path]) -> list[list[int]]:
@@ -112,19 +111,9 @@ class TokenDataModule(L.LightningDataModule):
 
 
 def widen_vocabulary(model: GPT, gpt2_ids: torch.Tensor, unseen_logit: float) -> GPT:
-    """The compact-vocabulary model as a GPT-2-vocabulary one: row ``gpt2_ids[i]`` gets compact row i,
-    and every never-seen token a zero row and a ``logit_bias`` of ``unseen_logit``, so its logit is
-    exactly that whatever the input, in any precision (a row of the table alone could give a constant
-    logit only through a cancellation that rounding breaks: w = k / gamma against ln_f's mean-free
-    output, with k large when ln_f's sum(beta / gamma) is small; bf16 or int4 weights then turn
-    never-seen tokens into likely ones)."""
-    state = dict(model.state_dict())
-    table = state["wte.weight"].new_zeros(tokens.VOCAB_SIZE, model.config.n_embd)  # [50257, D]
-    table[gpt2_ids] = state["wte.weight"]  # [V_seen, D] compact rows
-    bias = torch.full((tokens.VOCAB_SIZE,), unseen_logit)  # [50257]
-    bias[gpt2_ids] = 0.0
-    state["wte.weight"], state["logit_bias"] = table, bias
-    cfg = dataclasses.replace(model.config, vocab_size=tokens.VOCAB_SIZE, dropout=0.0, logit_bias=True)
+    """The compact-vocabulary model as a GPT-2-vocabulary one (``lab.weights.widen_state``): row
+    ``gpt2_ids[i]`` gets compact row i, every never-seen token a zero row and a fixed logit."""
+    cfg, state = widen_state(model.config, dict(model.state_dict()), gpt2_ids, unseen_logit)
     return build_model(cfg, state, "builtin (widened)")
 
 

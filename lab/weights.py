@@ -1,6 +1,6 @@
 """Load weights into ``lab.model.GPT`` from every place GPT-2 weights live, and save our own.
 
-    model = load_model("builtin")            # the embedded model (``blocklab builtin`` creates it)
+    model = load_model("builtin")            # the embedded model: shipped in lab/assets, or retrained
     model = load_model("gpt2-random")        # GPT-2 small shapes, seeded random weights (latency work)
     model = load_model("openai-community/gpt2")  # Hugging Face hub id: cached copy, else download
     model = load_model("path/to/hf_dir")     # config.json + model.safetensors | pytorch_model.bin
@@ -15,7 +15,10 @@ like Hugging Face's Conv1D (no transpose); nanoGPT's ``nn.Linear`` stores [out, 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
+import logging
 import os
 import pickle
 import re
@@ -25,14 +28,19 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from lab import tokens
 from lab.config import GPTConfig
 from lab.errors import UserError
 from lab.exit_probe import FILE as EXIT_PROBE_FILE
 from lab.exit_probe import load_exit_probe, save_exit_probe
 from lab.model import GPT
 
+logger = logging.getLogger(__name__)
+
 FORMAT_FILE = "blocklab.json"
 WEIGHTS_FILE = "model.safetensors"
+GPT2_IDS = "vocabulary.gpt2_ids"
+"""In a compact-vocabulary model's weights file: [V_seen] the GPT-2 id of each row it trained."""
 RANDOM_SEED = 1234
 """Seed of ``gpt2-random``: the same random weights in every process."""
 
@@ -43,41 +51,91 @@ def cache_root() -> Path:
 
 
 BUILTIN_MODELS = ("builtin", "builtin-early-exit")
-"""The models ``blocklab builtin`` makes (``--recipe early-exit``: the second), each in its directory."""
+"""The embedded models (``blocklab builtin --recipe early-exit`` makes the second), each in its directory."""
+
+SHIPPED_DIR = Path(__file__).parent / "assets"
+"""Where the package carries the embedded models as ``blocklab builtin`` made them."""
 
 
 def builtin_dir(name: str = "builtin") -> Path:
-    """The directory of an embedded model (``BUILTIN_MODELS``)."""
+    """Where ``blocklab builtin`` writes an embedded model (``BUILTIN_MODELS``): the user's cache."""
     return cache_root() / name
+
+
+def shipped_dir(name: str = "builtin") -> Path:
+    """The embedded model ``name`` as the package ships it."""
+    return SHIPPED_DIR / name
+
+
+def builtin_source(name: str = "builtin") -> Path:
+    """The directory ``--model NAME`` loads: the user's retrained copy if there is one, else the shipped
+    one."""
+    retrained = builtin_dir(name)
+    if (retrained / FORMAT_FILE).exists():
+        _say_retrained(retrained)
+        return retrained
+    return shipped_dir(name)
+
+
+@functools.cache
+def _say_retrained(directory: Path) -> None:
+    logger.warning(
+        "using the %s model retrained in %s (remove that directory, or run `blocklab builtin --reset`, "
+        "to use the shipped one)",
+        directory.name,
+        directory,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # Our format
 
 
-def save_model(model: GPT, directory: str | Path, *, metadata: dict[str, Any] | None = None) -> Path:
-    """Write ``model`` as ``blocklab.json`` (config + metadata) and ``model.safetensors``, and its exit
-    probe (lab.exit_probe) as ``exit_probe.safetensors`` if it has one; returns the dir.
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def save_model(
+    model: GPT,
+    directory: str | Path,
+    *,
+    metadata: dict[str, Any] | None = None,
+    vocabulary: tuple[torch.Tensor, float] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write ``model`` as ``blocklab.json`` (config, metadata, the files' sha256) and
+    ``model.safetensors``, and its exit probe (lab.exit_probe) as ``exit_probe.safetensors`` if it has
+    one; returns the dir. ``dtype``: store the floating-point tensors in it.
+
+    ``vocabulary`` (gpt2_ids [V_seen], unseen_logit): ``model`` is a compact-vocabulary model whose row
+    i is GPT-2 token ``gpt2_ids[i]`` (``lab.token_data``); only its rows are stored, and loading widens
+    it to GPT-2's vocabulary, every other token a zero row with the fixed logit ``unseen_logit``.
 
     Written through temporary names then renamed, so a crash never leaves a half-written model behind.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
-    description = {
-        "format": "blocklab",
-        "config": dataclasses.asdict(model.config),
-        "metadata": metadata or {},
+    state = {
+        name: tensor.detach().to(dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
+        for name, tensor in model.state_dict().items()
     }
+    description = {"format": "blocklab", "config": dataclasses.asdict(model.config)}
+    if vocabulary is not None:
+        gpt2_ids, unseen_logit = vocabulary
+        state[GPT2_IDS] = gpt2_ids.to(torch.int32)
+        description["vocabulary"] = {"size": tokens.VOCAB_SIZE, "unseen_logit": unseen_logit}
+    state = {name: tensor.contiguous().cpu() for name, tensor in state.items()}
     weights_tmp, format_tmp = directory / (WEIGHTS_FILE + ".tmp"), directory / (FORMAT_FILE + ".tmp")
     save_file(state, str(weights_tmp))
+    hashes = {WEIGHTS_FILE: sha256(weights_tmp)}
+    if model.exit_probe is not None:
+        hashes[EXIT_PROBE_FILE] = sha256(save_exit_probe(model.exit_probe, directory))
+    else:  # another model's probe must not stay beside these weights
+        (directory / EXIT_PROBE_FILE).unlink(missing_ok=True)
+    description |= {"sha256": hashes, "metadata": metadata or {}}
     format_tmp.write_text(json.dumps(description, indent=2) + "\n")
     weights_tmp.replace(directory / WEIGHTS_FILE)
     format_tmp.replace(directory / FORMAT_FILE)  # last: its presence marks a complete model
-    if model.exit_probe is not None:
-        save_exit_probe(model.exit_probe, directory)
-    else:  # another model's probe must not stay beside these weights
-        (directory / EXIT_PROBE_FILE).unlink(missing_ok=True)
     return directory
 
 
@@ -86,11 +144,42 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
     return json.loads((Path(directory) / FORMAT_FILE).read_text())["metadata"]
 
 
+def check_hashes(directory: Path, hashes: dict[str, str]) -> None:
+    """UserError naming any file of ``directory`` whose sha256 is not the one recorded for it."""
+    for name, expected in hashes.items():
+        path = directory / name
+        if not path.exists() or sha256(path) != expected:
+            state = "missing" if not path.exists() else "damaged (its sha256 differs from blocklab.json's)"
+            raise UserError(f"{path}: {state}; reinstall blocklab, or make the model again")
+
+
+def widen_state(
+    cfg: GPTConfig, state: dict[str, torch.Tensor], gpt2_ids: torch.Tensor, unseen_logit: float
+) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """A compact-vocabulary model's config and state as a GPT-2-vocabulary model's: row ``gpt2_ids[i]``
+    gets compact row i, and every never-seen token a zero row and a ``logit_bias`` of ``unseen_logit``,
+    so its logit is exactly that whatever the input, in any precision (a row of the table alone could
+    give a constant logit only through a cancellation that rounding breaks)."""
+    compact = state["wte.weight"]  # [V_seen, D]
+    table = compact.new_zeros(tokens.VOCAB_SIZE, cfg.n_embd)  # [50257, D]
+    table[gpt2_ids.long()] = compact
+    bias = torch.full((tokens.VOCAB_SIZE,), unseen_logit, dtype=compact.dtype)  # [50257]
+    bias[gpt2_ids.long()] = 0.0
+    wide = dataclasses.replace(cfg, vocab_size=tokens.VOCAB_SIZE, dropout=0.0, logit_bias=True)
+    return wide, {**state, "wte.weight": table, "logit_bias": bias}
+
+
 def _load_ours(directory: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     description = json.loads((directory / FORMAT_FILE).read_text())
     if description.get("format") != "blocklab":
         raise UserError(f"{directory / FORMAT_FILE}: not a blocklab model description")
-    return GPTConfig(**description["config"]), load_file(str(directory / WEIGHTS_FILE))
+    check_hashes(directory, description.get("sha256", {}))
+    cfg, state = GPTConfig(**description["config"]), load_file(str(directory / WEIGHTS_FILE))
+    if "vocabulary" in description:
+        gpt2_ids = state.pop(GPT2_IDS)
+        state = {name: t.float() if t.is_floating_point() else t for name, t in state.items()}  # as trained
+        cfg, state = widen_state(cfg, state, gpt2_ids, description["vocabulary"]["unseen_logit"])
+    return cfg, state
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -306,12 +395,12 @@ def locate(spec: str) -> Path | None:
     if spec == "gpt2-random":
         return None
     if spec in BUILTIN_MODELS:
-        directory = builtin_dir(spec)
+        directory = builtin_source(spec)
         if not (directory / FORMAT_FILE).exists():
             command = "blocklab builtin" + (" --recipe early-exit" if spec != "builtin" else "")
             raise FileNotFoundError(
-                f"the {spec} model is not created yet ({directory} is empty): run `{command}` "
-                "once (about 10 minutes on 2 CPU cores), or set BLOCKLAB_CACHE to where it lives"
+                f"the {spec} model is neither shipped ({directory} is empty: reinstall blocklab) nor "
+                f"made here: run `{command}`, or set BLOCKLAB_CACHE to where it lives"
             )
         return directory
     path = Path(spec).expanduser()

@@ -68,9 +68,11 @@ def test_depth_heads_and_structure(capsys, tmp_path):
 
 
 def test_default_model_is_builtin_once_created(tmp_path, monkeypatch):
+    from lab import weights
     from lab.weights import save_model
 
     monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(weights, "SHIPPED_DIR", tmp_path / "not_shipped")  # an install that lost them
     assert common.default_model_spec() == "gpt2-random"
     save_model(GPT(GPTConfig()), tmp_path / "builtin")
     assert common.default_model_spec() == "builtin"

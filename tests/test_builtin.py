@@ -1,8 +1,8 @@
-
 """The builtin model's pipeline (tiny): corpus, compact vocabulary, training, widening, saving, loading."""
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -11,13 +11,14 @@ from lab import tokens
 from lab.builtin import Recipe, create_builtin, format_report, main
 from lab.config import GPTConfig
 from lab.corpora import stdlib_files
+from lab.errors import UserError
 from lab.model import GPT
 from lab.quantize import quantize
 from lab.token_data import TokenDataModule, widen_vocabulary
 from lab.weights import load_model, read_metadata
 
 TINY = Recipe(
-    n_layer=2, n_head=2, n_embd=16, block_size=32, batch_size=4, max_steps=4, max_files=6, val_every=3,
+    n_layer=2, n_head=2, n_embd=16, block_size=32, batch_size=4, steps=4, max_files=6, val_every=3,
     eval_batches=2,
 )  # fmt: skip
 
@@ -79,12 +80,10 @@ def test_tiny_builtin_pipeline(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "builtin" / "logs").is_dir()
     assert 0 < report["val_loss"] < 11  # below a uniform guess over 50257 tokens (10.8 nats)
     assert model.exit_probe is not None and model.exit_probe.weight.shape == (2, model.config.n_embd)
-    # a second `blocklab builtin` does not train again; it fits the exit probe if the model lacks one
-    (tmp_path / "builtin" / "exit_probe.safetensors").unlink()
+    # a second `blocklab builtin` does not train again
     assert main(["builtin"]) == 0
-    assert load_model("builtin").exit_probe is not None
     out = capsys.readouterr().out
-    assert "exists (train again with --force)" in out
+    assert "(retrained) (train again with --force)" in out
     assert "short of the bigram count model" in out  # 4 steps do not beat counting pairs
     trained = {**report, "val_loss": report["baselines"]["bigram"] - 0.5}
     assert "short of the bigram" not in format_report(trained)
@@ -96,12 +95,12 @@ def test_the_early_exit_recipe_saves_builtin_early_exit(tmp_path, monkeypatch):
     monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path))
     recipe = dataclasses.replace(TINY, **RECIPES["early-exit"])
     report = create_builtin(recipe, tmp_path / "builtin-early-exit")
-    assert report["recipe"]["early_exit_loss"] == RECIPES["early-exit"]["early_exit_loss"] > 0
+    layerskip = RECIPES["early-exit"]["layerskip"]
+    assert report["recipe"]["layerskip"]["early_exit_loss"] == layerskip["early_exit_loss"] > 0
     assert len(report["val_loss_exit"]) == 1
     model = load_model("builtin-early-exit")
     assert model.config.n_layer == 2 and model.exit_probe is not None
-    with pytest.raises(FileNotFoundError, match="blocklab builtin`"):
-        load_model("builtin")  # the plain one is a model of its own, not made here
+    assert load_model("builtin").config.n_layer == 12  # the plain one is a model of its own: the shipped one
 
 
 def test_muon_orthogonalises_in_fp32_as_torch_does_in_bf16():
@@ -121,3 +120,91 @@ def test_muon_orthogonalises_in_fp32_as_torch_does_in_bf16():
         reference.step()
     assert float((ours.detach() - start).norm()) > 0.05  # it moved, as torch's did
     assert torch.allclose(ours.detach(), theirs.detach(), atol=1e-3)
+
+
+def test_the_same_seed_and_threads_make_the_same_weights(tmp_path):
+    """A run is its steps, seed and data order: the machine changes only how long it takes."""
+    recipe = dataclasses.replace(TINY, threads=1)
+    reports = [create_builtin(recipe, tmp_path / name) for name in ("first", "second")]
+    assert (tmp_path / "first" / "model.safetensors").read_bytes() == (
+        tmp_path / "second" / "model.safetensors"
+    ).read_bytes()
+    assert reports[0]["val_loss"] == reports[1]["val_loss"]
+    other = create_builtin(dataclasses.replace(recipe, seed=2), tmp_path / "other")
+    assert other["val_loss"] != reports[0]["val_loss"]
+
+
+def test_damaged_or_missing_files_are_refused_by_name(tmp_path):
+    create_builtin(TINY, tmp_path / "m")
+    assert load_model(str(tmp_path / "m")).exit_probe is not None
+    weights = tmp_path / "m" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="model.safetensors: damaged"):
+        load_model(str(tmp_path / "m"))
+    (tmp_path / "m" / "exit_probe.safetensors").unlink()
+    with pytest.raises(UserError, match="exit_probe.safetensors: missing"):
+        load_model(str(tmp_path / "m"))
+
+
+SHIPPED_BYTES = 12 * 2**20
+"""What a shipped model's weights may take (fp16 rows of the tokens it trained)."""
+
+
+@pytest.mark.parametrize("name", ["builtin", "builtin-early-exit"])
+def test_the_shipped_models_load_offline_and_checked(tmp_path, monkeypatch, name):
+    from lab import weights
+
+    monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path))  # nothing retrained here
+    directory = weights.locate(name)
+    assert directory == weights.shipped_dir(name)
+    assert (directory / "model.safetensors").stat().st_size <= SHIPPED_BYTES
+    description = json.loads((directory / "blocklab.json").read_text())
+    assert set(description["sha256"]) == {"model.safetensors", "exit_probe.safetensors"}
+    report = description["metadata"]
+    assert report["command"].startswith("blocklab builtin") and report["steps"] == report["planned_steps"]
+    assert report["val_loss"] < report["baselines"]["bigram"]
+    model = load_model(name)
+    assert model.config.vocab_size == tokens.VOCAB_SIZE and model.config.n_layer == 12
+    assert len(model.read_rows) == report["distinct_tokens"]  # the read-out multiplies the trained rows
+    assert model.exit_probe is not None
+
+
+def test_a_retrained_builtin_takes_precedence_until_reset(tmp_path, monkeypatch, caplog, capsys):
+    from lab import weights
+
+    monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path))
+    create_builtin(TINY)  # into the cache, as `blocklab builtin` does
+    with caplog.at_level("WARNING", logger="lab.weights"):
+        assert load_model("builtin").config.n_layer == 2
+    assert "retrained" in caplog.text and "--reset" in caplog.text
+    assert main(["builtin", "--show"]) == 0
+    assert "(retrained)" in capsys.readouterr().out
+    assert main(["builtin", "--reset"]) == 0
+    assert weights.locate("builtin") == weights.shipped_dir()
+    assert main(["builtin", "--show"]) == 0
+    assert "(shipped)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_shipped_report_is_the_shipped_weights(monkeypatch, tmp_path):
+    """The report's validation loss and block costs, measured again on the weights as loaded here."""
+    from lab import weights
+    from lab.builtin import data_module, evaluate
+
+    monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path))
+    report = read_metadata(weights.shipped_dir())
+    recipe = Recipe(**report["recipe"])
+    dm = data_module(recipe)
+    model = load_model("builtin")
+    compact = GPT(dataclasses.replace(model.config, vocab_size=dm.vocab_size, logit_bias=False)).eval()
+    state = {k: v for k, v in model.state_dict().items() if k != "logit_bias"}
+    state["wte.weight"] = state["wte.weight"][dm.gpt2_ids]
+    compact.load_state_dict(state)
+    measured = evaluate(model, compact, dm)
+    assert measured["val_loss"] == pytest.approx(report["val_loss"], abs=2e-3)
+    costs = torch.tensor(measured["val_loss_skip"]) - measured["val_loss"]
+    torch.testing.assert_close(
+        costs, torch.tensor(report["val_loss_skip"]) - report["val_loss"], atol=2e-3, rtol=0
+    )

@@ -37,6 +37,7 @@ def tiny_model(tmp_path_factory) -> str:
 def files(tmp_path, monkeypatch):
     """An empty file, a directory that is no model, a non-checkpoint file; no builtin model; cwd tmp."""
     monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(weights, "SHIPPED_DIR", tmp_path / "not_shipped")  # an install that lost them
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "not_a_model").mkdir()

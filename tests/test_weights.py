@@ -154,6 +154,7 @@ def test_save_and_load_our_format(tmp_path):
 
 def test_builtin_missing_says_how_to_create(tmp_path, monkeypatch):
     monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(weights, "SHIPPED_DIR", tmp_path / "not_shipped")  # an install that lost them
     assert weights.builtin_dir() == tmp_path / "builtin"
     with pytest.raises(FileNotFoundError, match="run `blocklab builtin`"):
         load_model("builtin")

@@ -110,10 +110,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def default_model_spec() -> str:
-    """``builtin`` once ``blocklab builtin`` has created it, else ``gpt2-random``."""
-    from lab.weights import FORMAT_FILE, builtin_dir
+    """``builtin`` (shipped, or retrained by ``blocklab builtin``), else ``gpt2-random`` (an install
+    without its assets)."""
+    from lab.weights import FORMAT_FILE, builtin_source
 
-    return "builtin" if (builtin_dir() / FORMAT_FILE).exists() else "gpt2-random"
+    return "builtin" if (builtin_source() / FORMAT_FILE).exists() else "gpt2-random"
 
 
 def load_model_from_args(args: argparse.Namespace) -> tuple[GPT, str]:
