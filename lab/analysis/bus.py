@@ -151,7 +151,7 @@ def main(argv: list[str]) -> int:
     common.add_model_args(p)
     common.add_text_args(p)
     common.add_output_args(p, plot="bus.png")
-    args = p.parse_args(argv[1:])
+    args = p.parse(argv[1:])
 
     model, name = common.load_model_from_args(args)
     ids, text = common.text_tokens(args, model)

@@ -18,6 +18,7 @@ run in turn within each repeat, so load hits them alike; the ratios to the basel
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -27,7 +28,7 @@ from lab.errors import UserError
 from lab.generate import generate
 from lab.model import GPT
 
-DEFAULT_STACKS = ["6x1088", "12x768", "24x544", "48x384"]
+DEFAULT_STACKS = ("6x1088", "12x768", "24x544", "48x384")
 
 
 def heads_for(d: int, head_size: int) -> int:
@@ -176,26 +177,41 @@ def plot(report: dict, args) -> str | None:
     return common.save_figure(fig, args)
 
 
+@dataclass
+class DepthOptions:
+    """The stacks and the decode."""
+
+    stacks: tuple[str, ...] = DEFAULT_STACKS
+    """LxD stacks."""
+    baseline: str = "12x768"
+    """The stack the ratios are to."""
+    head_size: int = 64
+    """Preferred head size."""
+    vocab_size: int = GPT2_VOCAB_SIZE
+    """Vocabulary (default: GPT-2's)."""
+    prompt: int = 16
+    """Prompt tokens."""
+    new: int = 32
+    """Decoded tokens per run."""
+    repeats: int = 3
+    """Decode runs per stack."""
+    threads: int = 2
+    """Torch threads."""
+
+
 def main(argv: list[str]) -> int:
     p = common.parser(argv[0], "Batch-1 decode latency of equal-parameter stacks of different depth.")
-    p.add_argument("--stacks", nargs="+", default=DEFAULT_STACKS, help="LxD stacks (default: %(default)s)")
-    p.add_argument("--baseline", default="12x768", help="stack the ratios are to (default: %(default)s)")
-    p.add_argument("--head-size", type=int, default=64, help="preferred head size (default: %(default)s)")
-    p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE, help="vocabulary (default: GPT-2's)")
-    p.add_argument("--prompt", type=int, default=16, help="prompt tokens (default: %(default)s)")
-    p.add_argument("--new", type=int, default=32, help="decoded tokens per run (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="decode runs per stack (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    p.add_options(DepthOptions)
     common.add_output_args(p, plot="depth.png")
-    args = p.parse_args(argv[1:])
+    args = p.parse(argv[1:])
     if args.baseline not in args.stacks:
-        raise UserError(f"--baseline {args.baseline} is not among --stacks {args.stacks}")
+        raise UserError(f"--baseline {args.baseline} is not among --stacks {list(args.stacks)}")
     if args.new < 2:
         raise UserError("--new: need at least 2 tokens (the first comes from the prefill)")
 
     torch.set_num_threads(args.threads)
     report = depth_report(
-        args.stacks, args.baseline, args.head_size, args.vocab_size, args.prompt, args.new, args.repeats
+        list(args.stacks), args.baseline, args.head_size, args.vocab_size, args.prompt, args.new, args.repeats
     )
     report["png"] = plot(report, args)
     common.emit(args, report, render(report))

@@ -10,7 +10,7 @@ are the shapes that ran. Only attention mixes positions; everything else works o
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -143,13 +143,20 @@ def render(report: dict, name: str) -> str:
     )
 
 
+@dataclass
+class ShapesOptions:
+    T: int | None = None
+    """Positions (default: the config's context length)."""
+    batch: int = 1
+    """Batch size B."""
+
+
 def main(argv: list[str]) -> int:
     p = common.parser(argv[0], "The six tensors of one Block, with shapes, parameters and position mixing.")
     common.add_config_args(p)
-    p.add_argument("--T", type=int, default=None, help="positions (default: the config's context length)")
-    p.add_argument("--batch", type=int, default=1, help="batch size B (default: %(default)s)")
+    p.add_options(ShapesOptions)
     common.add_output_args(p)
-    args = p.parse_args(argv[1:])
+    args = p.parse(argv[1:])
 
     cfg = common.config_from_args(args)
     T = args.T or cfg.block_size
