@@ -20,6 +20,7 @@ unknown flag raises ``lab.errors.UserError``: ``blocklab`` prints it as one line
 
 from __future__ import annotations
 
+import argparse
 import collections.abc
 import dataclasses
 import inspect
@@ -31,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from jsonargparse import ArgumentError, ArgumentParser, Namespace, set_parsing_settings
+from jsonargparse import ArgumentError, ArgumentParser, DefaultHelpFormatter, Namespace, set_parsing_settings
 
 from lab.errors import UserError
 
@@ -63,11 +64,16 @@ def _names_and_hints(options: type | Callable) -> dict[str, Any]:
     return {name: hints[name] for name in inspect.signature(options).parameters if name in hints}
 
 
+class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """jsonargparse's help (types and defaults), the description and epilog as written (examples kept)."""
+
+
 class Parser(ArgumentParser):
     """A jsonargparse parser whose flags come from dataclasses and typed functions (``add_options``)."""
 
     def __init__(self, prog: str, description: str | None = None, **kwargs):
-        super().__init__(prog=prog, description=description, epilog=SPELLINGS, exit_on_error=False, **kwargs)
+        kwargs = {"epilog": SPELLINGS, "formatter_class": _HelpFormatter, "exit_on_error": False, **kwargs}
+        super().__init__(prog=prog, description=description, **kwargs)
         self.kinds: dict[str, str | None] = {}  # every flag of add_options -> _kind of its type
 
     def add_options(self, options: type | Callable, *, skip: Sequence[str] = (), **defaults: Any) -> None:

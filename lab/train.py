@@ -12,11 +12,12 @@ training starts) and ``baselines`` (``{name: nats}``, logged as ``baseline/<name
 
 from __future__ import annotations
 
+import json
 import math
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -352,8 +353,34 @@ class LitGPT(L.LightningModule):
 
 # The data is an endless random-window stream (lab.data): there are no epochs, so validation runs every
 # val_check_interval steps, and the loader must not be replaced by a DistributedSampler (it splits the
-# stream across ranks itself).
+# stream across ranks itself). Every Trainer of the lab has these: make_trainer's and `blocklab fit`'s.
 STREAM_TRAINER_ARGS = {"check_val_every_n_epoch": None, "use_distributed_sampler": False}
+
+# What an experiment's or a script's run shares; make_trainer's arguments override any of them.
+RUN_TRAINER_ARGS = {
+    **STREAM_TRAINER_ARGS,
+    # One device per run, whatever the machine has: DDP over several would multiply the batch and change
+    # the experiment (a multi-GPU machine runs variants side by side: docs/training.md).
+    "devices": 1,
+    "num_sanity_val_steps": 0,
+    "gradient_clip_val": 1.0,
+    "logger": False,
+    "log_every_n_steps": 1,
+    # the caller reports its own progress and keeps what it needs (no checkpoints)
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+
+
+def make_trainer(max_steps: int, **trainer_args: Any) -> L.Trainer:
+    """The Trainer of one run over ``lab.data``'s stream: ``max_steps`` steps, validation once after the
+    last (unless ``val_check_interval``), ``RUN_TRAINER_ARGS`` for the rest; ``trainer_args`` are any of
+    ``L.Trainer``'s and override those (``logger=``, ``callbacks=``, ``precision=``, ``devices=2,
+    strategy="ddp"``...). `blocklab fit` builds its Trainer from YAML instead (``TRAINER_DEFAULTS``)."""
+    run = {"max_steps": max_steps, "val_check_interval": max_steps}
+    return L.Trainer(**{**RUN_TRAINER_ARGS, **run, **trainer_args})
+
 
 # Defaults of `blocklab fit`: one run directory runs/<version> holds the TensorBoard events, config.yaml
 # and checkpoints/. The version is pinned, so a restart finds runs/<version>/checkpoints/last.ckpt again
@@ -371,8 +398,18 @@ TRAINER_DEFAULTS = {
 }
 
 
+@dataclass
+class StallPresetOption:
+    """A run of the stall experiment."""
+
+    stall_preset: str | None = None
+    """A preset of `blocklab stall` (configs/stall/NAME.yaml): its model, optimiser, data, steps and first
+    seed are this run's defaults, below every --config and flag (configs/preln.yaml: cpu)."""
+
+
 class LabCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
+        parser.add_class_arguments(StallPresetOption)
         parser.add_lightning_class_args(L.pytorch.callbacks.ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0})
         parser.set_defaults({"checkpoint.every_n_train_steps": 100})
@@ -390,7 +427,19 @@ class LabCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         # args always comes from `blocklab` (lab.cli), which also leaves it in sys.argv: the base class
         # would warn about getting both.
-        self.config = parser.parse_args(args)
+        # --print_config prints and exits where it stands: the first pass, which finds the preset, skips it
+        config = parser.parse_args([arg for arg in args if not arg.startswith("--print_config")])
+        subcommand = config.get("subcommand")
+        preset = (config[subcommand] if subcommand else config).stall_preset
+        if preset is not None:  # parse again, the preset's settings first: any config or flag overrides them
+            from lab.stall.cli import load_preset
+
+            at = args.index(subcommand) + 1 if subcommand else 0
+            settings = json.dumps(load_preset(preset).fit_config())
+            config = parser.parse_args([*args[:at], "--config", settings, *args[at:]])
+        elif any(arg.startswith("--print_config") for arg in args):
+            config = parser.parse_args(args)
+        self.config = config
 
 
 def main(argv: list[str]) -> int:
