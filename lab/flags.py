@@ -106,7 +106,7 @@ class Parser(ArgumentParser):
                 out.append(token)
                 continue
             name, has_value, value = token[2:].partition("=")
-            name = name.replace("-", "_")
+            name = self._full_name(name.replace("-", "_"))
             if name.startswith("no_") and name not in self.kinds and self.kinds.get(name[3:]) == "bool":
                 out += [f"--{name[3:]}", "false"]
                 continue
@@ -124,6 +124,14 @@ class Parser(ArgumentParser):
                     words.append(rest.pop(0))
                 out += [f"--{name}", *_list(words)]
         return out
+
+    def _full_name(self, name: str) -> str:
+        """``name``, or the one flag of ``add_options`` it abbreviates (argparse's ``--exit`` for
+        ``--exits``); what is neither stays as given, for argparse to refuse."""
+        if f"--{name}" in self._option_string_actions:
+            return name
+        longer = [flag for flag in self.kinds if flag.startswith(name)]
+        return longer[0] if len(longer) == 1 else name
 
 
 def _list(words: list[str]) -> list[str]:
@@ -143,15 +151,34 @@ def options(cls: type[T], args: Namespace) -> T:
     return cls(**{field.name: args[field.name] for field in dataclasses.fields(cls)})
 
 
-def call(main: Callable, argv: Sequence[str] | None = None, description: str | None = None) -> Any:
-    """A script's entry point: parse ``argv`` (default: the command line) into ``main``'s typed parameters
-    and call it. A bad flag prints one line and exits with status 2, as argparse does."""
-    prog = Path(sys.argv[0]).name
-    parser = Parser(prog, description or inspect.getdoc(sys.modules[main.__module__]).split("\n\n")[0])
-    parser.add_options(main)
+def command_parser(command: Callable, prog: str, description: str | None = None) -> Parser:
+    """The flags of ``command``'s typed parameters (its docstring's ``Args:`` as their help);
+    ``description`` defaults to the docstring's first paragraph."""
+    parser = Parser(prog, description or inspect.getdoc(command).split("\n\n")[0])
+    parser.add_options(command)
+    return parser
+
+
+def run(command: Callable, argv: Sequence[str], prog: str, description: str | None = None) -> Any:
+    """Parse ``argv`` into ``command``'s typed parameters (``command_parser``) and call it."""
+    return command(**command_parser(command, prog, description).parse(argv).as_dict())
+
+
+def script_parser(main: Callable) -> Parser:
+    """A script's parser: ``main``'s parameters, described by its module docstring's first paragraph."""
+    script = main.__globals__  # the module's own namespace, however it was loaded
+    description = inspect.cleandoc(script["__doc__"]).split("\n\n")[0]
+    return command_parser(main, Path(script["__file__"]).name, description)
+
+
+def call(main: Callable, argv: Sequence[str] | None = None) -> Any:
+    """A script's entry point: ``argv`` (default: the command line) parsed by ``script_parser(main)``
+    into ``main``'s parameters, and ``main`` called. A bad flag prints one line and exits with status 2,
+    as argparse does."""
+    parser = script_parser(main)
     try:
         args = parser.parse(sys.argv[1:] if argv is None else argv)
     except UserError as error:
-        print(f"{prog}: " + " ".join(str(error).split()), file=sys.stderr)
+        print(f"{parser.prog}: " + " ".join(str(error).split()), file=sys.stderr)
         raise SystemExit(2) from None
     return main(**args.as_dict())

@@ -20,8 +20,6 @@ cancels; the load average before and after is recorded, because on a shared CPU 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import subprocess
@@ -29,7 +27,10 @@ import sys
 import tempfile
 import time
 from importlib.metadata import version
+from json import dumps, loads
 from pathlib import Path
+
+from lab import flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +47,7 @@ def run_json(name: str, command: list[str], json_path: Path | None = None) -> di
     # libraries may print lines of their own before the JSON: it starts at the first line opening "{"
     text = text[text.index("{") if text.startswith("{") else text.index("\n{") + 1 :]
     print(f"[{name}] done in {elapsed:.0f} s", file=sys.stderr, flush=True)
-    return {"command": " ".join(command), "seconds": round(elapsed, 1), "results": json.loads(text)}
+    return {"command": " ".join(command), "seconds": round(elapsed, 1), "results": loads(text)}
 
 
 def headline(runs: dict) -> list[tuple[str, str, str]]:
@@ -168,38 +169,30 @@ def render(runs: dict, meta: dict) -> str:
             f"`{run['command']}` ({run['seconds']:.0f} s)",
             "",
             "```json",
-            json.dumps(run["results"], indent=1),
+            dumps(run["results"], indent=1),
             "```",
             "",
         ]
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
-    parser.add_argument("--json", type=Path, help="also write every result here")
-    args = parser.parse_args()
-
+def run_all() -> dict:
+    """Every benchmark, one after another, with settings shortened to fit a few minutes."""
     python = sys.executable
-    started, load_before = time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         decode_json = Path(tmp) / "decode.json"
+        decode = [
+            python,
+            "scripts/bench_decode.py",
+            "--rounds",
+            "3",
+            "--tokens",
+            "16",
+            "--json",
+            str(decode_json),
+        ]
         runs = {
-            "decode": run_json(
-                "decode",
-                [
-                    python,
-                    "scripts/bench_decode.py",
-                    "--rounds",
-                    "3",
-                    "--tokens",
-                    "16",
-                    "--json",
-                    str(decode_json),
-                ],
-                decode_json,
-            ),
+            "decode": run_json("decode", decode, decode_json),
             "serve": run_json(
                 "serve",
                 [python, "scripts/bench_serve.py", "--overhead-requests", "150", "--requests", "6", "--json"],
@@ -218,6 +211,18 @@ def main() -> None:
                     "--drafts", "3", "5", "--prompts", "6", "--new-tokens", "48", "--json",
                 ],
             )  # fmt: skip
+    return runs
+
+
+def main(out: Path = ROOT / "BENCHMARKS.md", json: Path | None = None) -> None:
+    """Run every benchmark and write the results.
+
+    Args:
+        out: The Markdown file to write.
+        json: Also write every result here, as JSON.
+    """
+    started, load_before = time.monotonic(), os.getloadavg()[0]
+    runs = run_all()
     meta = {
         "command": "python scripts/bench_all.py",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -229,11 +234,11 @@ def main() -> None:
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
     }
-    args.out.write_text(render(runs, meta))
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    print(f"wrote {args.out}")
+    out.write_text(render(runs, meta))
+    if json:
+        json.write_text(dumps({"meta": meta, "runs": runs}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    main()
+    flags.call(main)

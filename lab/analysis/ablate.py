@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from lab import flags
 from lab.analysis import common
 from lab.blocks import BlockSet
 from lab.generate import score
@@ -92,13 +93,17 @@ class AblateOptions:
     """Skip each block, let each overwrite the stream, or both."""
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "Loss with each block skipped or overwriting the stream.")
+def parser() -> flags.Parser:
+    p = common.parser("ablate", "Loss with each block skipped or overwriting the stream.")
     common.add_model_args(p)
     common.add_text_args(p, tokens=512)
     p.add_options(AblateOptions)
     common.add_output_args(p, plot="ablate.png")
-    args = p.parse(argv[1:])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
 
     model, name = common.load_model_from_args(args)
     ids, text = common.text_tokens(args, model)

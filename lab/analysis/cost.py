@@ -191,12 +191,16 @@ def cost_report(design: Design, run: TrainingRun) -> dict:
     return report
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "Training cost 6ND (+ attention) in FLOPs, hours and MFU.")
+def parser() -> flags.Parser:
+    p = common.parser("cost", "Training cost 6ND (+ attention) in FLOPs, hours and MFU.")
     common.add_design_args(p)
     p.add_options(TrainingRun)
     common.add_output_args(p)
-    args = p.parse(argv[1:])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
 
     design, _ = common.design_from_args(args)
     report = cost_report(design, flags.options(TrainingRun, args))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lab import flags
 from lab.analysis import common
 from lab.config import GPT2_VOCAB_SIZE, GPTConfig
 from lab.errors import UserError
@@ -199,11 +200,15 @@ class DepthOptions:
     """Torch threads."""
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "Batch-1 decode latency of equal-parameter stacks of different depth.")
+def parser() -> flags.Parser:
+    p = common.parser("depth", "Batch-1 decode latency of equal-parameter stacks of different depth.")
     p.add_options(DepthOptions)
     common.add_output_args(p, plot="depth.png")
-    args = p.parse(argv[1:])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
     if args.baseline not in args.stacks:
         raise UserError(f"--baseline {args.baseline} is not among --stacks {list(args.stacks)}")
     if args.new < 2:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from lab import flags
 from lab.analysis import common
 from lab.analysis.designs import Design
 from lab.config import GPTConfig
@@ -193,12 +194,16 @@ class FlopsOptions:
     """Where the counted forward passes run."""
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "Forward FLOPs per token: 2N + 4·L·T·d, beside torch's FLOP counter.")
+def parser() -> flags.Parser:
+    p = common.parser("flops", "Forward FLOPs per token: 2N + 4·L·T·d, beside torch's FLOP counter.")
     common.add_design_args(p)
     p.add_options(FlopsOptions)
     common.add_output_args(p, plot="flops.png")
-    args = p.parse(argv[1:])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
 
     design, model = common.design_from_args(args)
     cfg = None if model is None or args.no_count else model.config

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lab import flags
 from lab.analysis import common
 from lab.analysis.designs import DESIGNS, Design
 from lab.model import GPT
@@ -170,12 +171,16 @@ class ParamsOptions:
     """Compare every preset design in one table."""
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "Parameters by component, with the formula beside each count.")
+def parser() -> flags.Parser:
+    p = common.parser("params", "Parameters by component, with the formula beside each count.")
     common.add_design_args(p)
     p.add_options(ParamsOptions)
     common.add_output_args(p)
-    args = p.parse(argv[1:])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
 
     if args.all:
         rows, text = compare(list(DESIGNS.values()))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from lab import flags
 from lab.analysis import common
 from lab.hooks import capture
 from lab.model import Block
@@ -151,12 +152,16 @@ class ShapesOptions:
     """Batch size B."""
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "The six tensors of one Block, with shapes, parameters and position mixing.")
+def parser() -> flags.Parser:
+    p = common.parser("shapes", "The six tensors of one Block, with shapes, parameters and position mixing.")
     common.add_config_args(p)
     p.add_options(ShapesOptions)
     common.add_output_args(p)
-    args = p.parse(argv[1:])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
 
     cfg = common.config_from_args(args)
     T = args.T or cfg.block_size

@@ -140,12 +140,16 @@ def timing_rows(cfg: GPTConfig, design: Design, options: TimingOptions) -> list[
     return rows
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "The attention stage's share of one Block's wall time.")
+def parser() -> flags.Parser:
+    p = common.parser("timing", "The attention stage's share of one Block's wall time.")
     common.add_config_args(p, exclude=OWN_FIELDS)
     p.add_options(TimingOptions)
     common.add_output_args(p)
-    args = p.parse(argv[1:])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
 
     options = flags.options(TimingOptions, args)
     torch.set_num_threads(options.threads)
