@@ -62,7 +62,44 @@ def learning_rate(
 
 
 class LitGPT(L.LightningModule):
-    """A GPT trained for next-token cross entropy with AdamW, warmup and a constant or cosine schedule."""
+    """A GPT trained for next-token cross entropy with AdamW, warmup and a constant or cosine schedule.
+
+    Args:
+        config: The model's shape and variant (or a dict of its fields, as checkpoints store it);
+            the CLI sets vocab_size from the data module.
+        lr: Peak learning rate of AdamW.
+        betas: AdamW's moment decay rates.
+        weight_decay: Decoupled weight decay, applied to matrices only (weights and embedding
+            tables); biases and LayerNorm parameters are not decayed.
+        warmup_steps: Optimiser steps of linear warmup from lr/warmup_steps to lr (0: none).
+        schedule: After warmup, hold lr (constant) or follow a cosine down to min_lr (cosine).
+        min_lr: Where the cosine ends.
+        max_steps: Where the cosine ends; default: the trainer's max_steps.
+        block_stats_first: Log each block's gradient norm (grad_norm/blocks.{i}, and of its
+            mlp.c_proj.weight) and Adam's update-to-weight ratio (update_ratio/blocks.{i}) on each
+            of the first this many steps (0: none). They cost a copy of the blocks' weights a step.
+        block_stats_every: And on every this many steps after those (0: never).
+        layer_dropout: LayerSkip's layer dropout, the rate of the last block: block l of L is
+            skipped (its stream passes through) per sequence with probability
+            layer_dropout * (2^(l/(L-1)) - 1), none for the first, rising with depth (0: off).
+        layer_dropout_curriculum: constant, or exponential: the rates grow over training by
+            2^(step/max_steps) - 1, from none to full.
+        early_exit_loss: LayerSkip's early-exit loss: every block's read-out (ln_f and the tied
+            unembedding) also learns the next token, block l weighted early_exit_loss * (l+1)
+            against the last block's L, normalised (0: off). Logged as
+            train/exit_loss/blocks.{l} and, per validation, val/exit_loss/blocks.{l}.
+        early_exit_every: The rotational curriculum: each step only every this-many-th block's
+            read-out is trained, rotating with the step, to keep the cost down (1: all).
+        early_exit_tokens: The share of a training batch's positions (drawn afresh each step) whose
+            early-exit losses are computed: each read-out is a whole unembedding, which at a large
+            vocabulary and a narrow width costs as much as all the blocks (1: every position).
+        optimizer: adamw for every parameter, or muon: Muon (``lab.optim``) for the blocks'
+            weight matrices and AdamW (lr, betas, weight_decay) for the tables, norms and biases.
+        muon_lr: Muon's peak learning rate; the schedule scales it as it scales lr.
+        train_seconds: A wall-clock budget the schedule also follows: it stands at whichever is
+            further along, the step or the elapsed share of train_seconds of max_steps, so a
+            machine slower than planned still ends its cosine on time (None: steps only).
+    """
 
     def __init__(
         self,
@@ -85,43 +122,6 @@ class LitGPT(L.LightningModule):
         muon_lr: float = 0.02,
         train_seconds: float | None = None,
     ):
-        """
-        Args:
-            config: The model's shape and variant (or a dict of its fields, as checkpoints store it);
-                the CLI sets vocab_size from the data module.
-            lr: Peak learning rate of AdamW.
-            betas: AdamW's moment decay rates.
-            weight_decay: Decoupled weight decay, applied to matrices only (weights and embedding
-                tables); biases and LayerNorm parameters are not decayed.
-            warmup_steps: Optimiser steps of linear warmup from lr/warmup_steps to lr (0: none).
-            schedule: After warmup, hold lr (constant) or follow a cosine down to min_lr (cosine).
-            min_lr: Where the cosine ends.
-            max_steps: Where the cosine ends; default: the trainer's max_steps.
-            block_stats_first: Log each block's gradient norm (grad_norm/blocks.{i}, and of its
-                mlp.c_proj.weight) and Adam's update-to-weight ratio (update_ratio/blocks.{i}) on each
-                of the first this many steps (0: none). They cost a copy of the blocks' weights a step.
-            block_stats_every: And on every this many steps after those (0: never).
-            layer_dropout: LayerSkip's layer dropout, the rate of the last block: block l of L is
-                skipped (its stream passes through) per sequence with probability
-                layer_dropout * (2^(l/(L-1)) - 1), none for the first, rising with depth (0: off).
-            layer_dropout_curriculum: constant, or exponential: the rates grow over training by
-                2^(step/max_steps) - 1, from none to full.
-            early_exit_loss: LayerSkip's early-exit loss: every block's read-out (ln_f and the tied
-                unembedding) also learns the next token, block l weighted early_exit_loss * (l+1)
-                against the last block's L, normalised (0: off). Logged as
-                train/exit_loss/blocks.{l} and, per validation, val/exit_loss/blocks.{l}.
-            early_exit_every: The rotational curriculum: each step only every this-many-th block's
-                read-out is trained, rotating with the step, to keep the cost down (1: all).
-            early_exit_tokens: The share of a training batch's positions (drawn afresh each step) whose
-                early-exit losses are computed: each read-out is a whole unembedding, which at a large
-                vocabulary and a narrow width costs as much as all the blocks (1: every position).
-            optimizer: adamw for every parameter, or muon: Muon (``lab.optim``) for the blocks'
-                weight matrices and AdamW (lr, betas, weight_decay) for the tables, norms and biases.
-            muon_lr: Muon's peak learning rate; the schedule scales it as it scales lr.
-            train_seconds: A wall-clock budget the schedule also follows: it stands at whichever is
-                further along, the step or the elapsed share of train_seconds of max_steps, so a
-                machine slower than planned still ends its cosine on time (None: steps only).
-        """
         super().__init__()
         self.save_hyperparameters()
         # A checkpoint holds the config as a plain dict, so it loads with torch.load(weights_only=True).

@@ -50,12 +50,7 @@ def run_json(name: str, command: list[str], json_path: Path | None = None) -> di
     return {"command": " ".join(command), "seconds": round(elapsed, 1), "results": loads(text)}
 
 
-def headline(runs: dict) -> list[tuple[str, str, str]]:
-    """(measure, value, target) rows for the summary table."""
-    decode = runs["decode"]["results"]
-    serve = runs["serve"]["results"]
-    train = runs["train"]["results"]
-    depth = runs["depth"]["results"]
+def decode_rows(decode: dict) -> list[tuple[str, str, str]]:
     ms = decode["ms_per_token"]
     rows = []
     for dtype in ("float32", "bfloat16", "int8", "int4"):
@@ -67,9 +62,56 @@ def headline(runs: dict) -> list[tuple[str, str, str]]:
             ),
             (f"decode: ours {dtype} / bandwidth bound", f"{decode['ratio_to_bound'][dtype]:.2f}", "<= 1.5"),
         ]
-    rows += [
+    return rows + [
         ("decode: transformers fp32 ms/token", f"{ms['transformers fp32']:.1f}", ""),
         ("decode: blocks' share of a step (fit)", f"{decode['fit']['block_share']:.2f}", ""),
+    ]
+
+
+def scheduler_rows(r: dict) -> list[tuple[str, str, str]]:
+    """The rows of one scheduler measurement of scripts/bench_serve.py (a model, a dtype, a mode)."""
+    name = f"scheduler, {r['model']} {r['dtype']}, {'invariant' if r['batch_invariant'] else 'shared'}"
+    same = "same" if r["batched_tokens_equal"] else "DIFFERENT"
+    return [
+        (
+            f"{name}: 1-token request during a 200-token generation, ms",
+            f"{r['one_token_during_200_token_generation_ms']:.0f} (alone {r['one_token_alone_ms']:.0f})",
+            f"<= {r['head_of_line_bound_ms']:.0f}",
+        ),
+        (
+            f"{name}: TTFT p50 of 4 streaming clients, ms",
+            f"{r['ttft_4_clients_p50_ms']:.0f} (alone {r['ttft_alone_ms']:.0f})",
+            f"<= {r['ttft_bound_ms']:.0f}",
+        ),
+        (f"{name}: 4 block sets at once / in turn", f"{r['four_block_sets_speedup']:.2f}", ">= 1.6"),
+        (f"{name}: 8 adaptive clients / 1", f"{r['eight_adaptive_speedup']:.2f}", ">= 2"),
+        (f"{name}: TPOT of skip half / all, 4 clients", f"{r['tpot_skip_half_over_all']:.2f}", "<= 0.7"),
+        (
+            f"{name}: alone vs among 8 mixed, max loss difference; seeded tokens",
+            f"{r['batched_loss_max_abs_diff']:.1e}; {same}",
+            "<= 1e-6 fp32, 1e-4 int4; same",
+        ),
+        (f"{name}: 8 clients / 1, requests/s", f"{r['throughput_8_clients_over_1']:.2f}", ">= 2.1"),
+    ]
+
+
+def speculate_row(result: dict) -> tuple[str, str, str]:
+    best = max(result["rows"], key=lambda row: row["speedup"])
+    identical = all(row["greedy_identical"] for row in result["rows"])
+    return (
+        f"speculate, {result['model']}: best tokens/s over full depth ({best['block_set']}; "
+        f"{best['acceptance_rate']:.0%} accepted); greedy tokens identical at every setting",
+        f"{best['speedup']:.2f}x; {'yes' if identical else 'NO'}",
+        ">= 1.3x (builtin-early-exit); yes",
+    )
+
+
+def headline(runs: dict) -> list[tuple[str, str, str]]:
+    """(measure, value, target) rows for the summary table."""
+    serve = runs["serve"]["results"]
+    depth = runs["depth"]["results"]
+    rows = decode_rows(runs["decode"]["results"])
+    rows += [
         (
             "serve: HTTP overhead over in-process, p50 ms",
             f"{serve['overhead']['overhead_p50_ms']:.2f}",
@@ -81,48 +123,13 @@ def headline(runs: dict) -> list[tuple[str, str, str]]:
             f"{serve['batching']['mixed_throughput_ratio']:.2f}",
             ">= 2",
         ),
-        ("train: Lightning / plain torch step time", f"{train['ratio']:.3f}", "<= 1.05"),
+        ("train: Lightning / plain torch step time", f"{runs['train']['results']['ratio']:.3f}", "<= 1.05"),
     ]
     for r in serve["scheduling"]:
-        name = f"scheduler, {r['model']} {r['dtype']}, {'invariant' if r['batch_invariant'] else 'shared'}"
-        same = "same" if r["batched_tokens_equal"] else "DIFFERENT"
-        rows += [
-            (
-                f"{name}: 1-token request during a 200-token generation, ms",
-                f"{r['one_token_during_200_token_generation_ms']:.0f} (alone {r['one_token_alone_ms']:.0f})",
-                f"<= {r['head_of_line_bound_ms']:.0f}",
-            ),
-            (
-                f"{name}: TTFT p50 of 4 streaming clients, ms",
-                f"{r['ttft_4_clients_p50_ms']:.0f} (alone {r['ttft_alone_ms']:.0f})",
-                f"<= {r['ttft_bound_ms']:.0f}",
-            ),
-            (f"{name}: 4 block sets at once / in turn", f"{r['four_block_sets_speedup']:.2f}", ">= 1.6"),
-            (f"{name}: 8 adaptive clients / 1", f"{r['eight_adaptive_speedup']:.2f}", ">= 2"),
-            (f"{name}: TPOT of skip half / all, 4 clients", f"{r['tpot_skip_half_over_all']:.2f}", "<= 0.7"),
-            (
-                f"{name}: alone vs among 8 mixed, max loss difference; seeded tokens",
-                f"{r['batched_loss_max_abs_diff']:.1e}; {same}",
-                "<= 1e-6 fp32, 1e-4 int4; same",
-            ),
-            (f"{name}: 8 clients / 1, requests/s", f"{r['throughput_8_clients_over_1']:.2f}", ">= 2.1"),
-        ]
+        rows += scheduler_rows(r)
     for row in depth["rows"]:
         rows.append((f"depth: {row['stack']} / {depth['baseline']} ms per token", f"{row['ratio']:.2f}", ""))
-    for name, run in runs.items():
-        if not name.startswith("speculate"):
-            continue
-        result = run["results"]
-        best = max(result["rows"], key=lambda row: row["speedup"])
-        identical = all(row["greedy_identical"] for row in result["rows"])
-        rows.append(
-            (
-                f"speculate, {result['model']}: best tokens/s over full depth ({best['block_set']}; "
-                f"{best['acceptance_rate']:.0%} accepted); greedy tokens identical at every setting",
-                f"{best['speedup']:.2f}x; {'yes' if identical else 'NO'}",
-                ">= 1.3x (builtin-early-exit); yes",
-            )
-        )
+    rows += [speculate_row(run["results"]) for name, run in runs.items() if name.startswith("speculate")]
     return rows
 
 
