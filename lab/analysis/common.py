@@ -221,6 +221,23 @@ def in_dtype(model: GPT, dtype: str) -> GPT:
     return quantize(model, dtype) if dtype in ("int8", "int4") else model.to(getattr(torch, dtype))
 
 
+def weights(*modules: torch.nn.Module) -> int:
+    """The parameters of ``modules``; a quantized linear layer (``lab.quantize``) keeps its weights in
+    buffers and counts as the matrix and bias it stands for."""
+    from lab.quantize import QuantizedLinear
+
+    quantized = [q for m in modules for q in m.modules() if isinstance(q, QuantizedLinear)]
+    stood_for = sum(q.in_features * q.out_features + (q.out_features if q.bias is not None else 0)
+                    for q in quantized)  # fmt: skip
+    return sum(p.numel() for m in modules for p in m.parameters()) + stood_for
+
+
+def total_weights(model: GPT) -> int:
+    """``GPT.num_params`` in any ``--dtype``: the tied table once, though a quantized model reads out
+    through a copy of it (``model.read_out``)."""
+    return weights(model) - (weights(model.read_out) if model.read_out is not None else 0)
+
+
 def load_model_from_args(args: Namespace) -> tuple[GPT, str]:
     """The model the arguments name and a description of it for the report."""
     if args.config is not None or config_overrides(args):

@@ -77,12 +77,19 @@ def build(n_layer: int, d: int, n_head: int, vocab_size: int, context: int) -> G
 
 
 def depth_report(
-    stacks: list[str], baseline: str, head_size: int, vocab_size: int, prompt_len: int, new: int, repeats: int
+    stacks: list[str],
+    baseline: str,
+    head_size: int,
+    vocab_size: int,
+    prompt_len: int,
+    new: int,
+    repeats: int,
+    dtype: str = "float32",
 ) -> dict:
     load_before = common.load_average()
     shapes = [parse_stack(s) for s in stacks]
     models = {
-        s: build(L, d, heads_for(d, head_size), vocab_size, prompt_len + new)
+        s: common.in_dtype(build(L, d, heads_for(d, head_size), vocab_size, prompt_len + new), dtype)
         for s, (L, d) in zip(stacks, shapes, strict=True)
     }
     prompt = torch.randint(0, vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -96,7 +103,7 @@ def depth_report(
     rows = []
     for s, model in models.items():
         cfg = model.config
-        block_params = sum(p.numel() for p in model.blocks.parameters())
+        block_params = common.weights(model.blocks)
         totals = [b + u for b, u in zip(blocks[s], unembed[s], strict=True)]
         rows.append(
             {
@@ -106,7 +113,7 @@ def depth_report(
                 "n_head": cfg.n_head,
                 "head_size": cfg.head_dim,
                 "block_params": block_params,
-                "total_params": model.num_params(),
+                "total_params": common.total_weights(model),
                 "ms_per_token": common.median_ms(totals),
                 "blocks_ms": common.median_ms(blocks[s]),
                 "unembed_ms": common.median_ms(unembed[s]),
@@ -124,6 +131,7 @@ def depth_report(
         "samples_per_stack": len(blocks[baseline]),
         "threads": torch.get_num_threads(),
         "vocab_size": vocab_size,
+        "dtype": dtype,
         "load_average": [load_before, common.load_average()],
         "rows": rows,
     }
@@ -145,11 +153,12 @@ def render(report: dict) -> str:
         ]  # fmt: skip
         for r in report["rows"]
     ]
+    weights = "random weights" + ("" if report["dtype"] == "float32" else f" in {report['dtype']}")
     out = [
         f"depth: batch-1 decode with a KV cache, prompt {report['prompt']} tokens, "
         f"{report['new_tokens']} new; "
         f"median over {report['samples_per_stack']} decode steps ({report['repeats']} repeats), "
-        f"{report['threads']} threads, V={report['vocab_size']}, random weights; "
+        f"{report['threads']} threads, V={report['vocab_size']}, {weights}; "
         f"load average {report['load_average'][0]} at start, {report['load_average'][1]} at end",
         "",
         common.table(columns, lines),
@@ -198,6 +207,8 @@ class DepthOptions:
     """Decode runs per stack."""
     threads: int = 2
     """Torch threads."""
+    dtype: common.WeightDtype = "float32"
+    """The weights' type: float32, bfloat16, float16, or weight-only int8 / int4."""
 
 
 def parser() -> flags.Parser:
@@ -216,7 +227,14 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(args.threads)
     report = depth_report(
-        list(args.stacks), args.baseline, args.head_size, args.vocab_size, args.prompt, args.new, args.repeats
+        list(args.stacks),
+        args.baseline,
+        args.head_size,
+        args.vocab_size,
+        args.prompt,
+        args.new,
+        args.repeats,
+        args.dtype,
     )
     report["png"] = plot(report, args)
     common.emit(args, report, render(report))

@@ -14,27 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from lab import flags
 from lab.analysis import common
 from lab.analysis.designs import DESIGNS, Design
 from lab.model import GPT
-from lab.quantize import QuantizedLinear
-
-
-def weights(*modules: torch.nn.Module) -> int:
-    """The parameters of ``modules``; a quantized linear layer (``lab.quantize``) keeps its weights in
-    buffers and counts as the matrix and bias it stands for."""
-    quantized = [q for m in modules for q in m.modules() if isinstance(q, QuantizedLinear)]
-    stood_for = sum(q.in_features * q.out_features + (q.out_features if q.bias is not None else 0)
-                    for q in quantized)  # fmt: skip
-    return sum(p.numel() for m in modules for p in m.parameters()) + stood_for
 
 
 def counted(model: GPT) -> dict[str, int]:
     """Parameters of the instantiated modules, under the component names of ``Design``'s counts."""
-    n = weights
+    n = common.weights
     block = model.blocks[0]
     return {
         "attention": n(block.attn),
@@ -46,8 +34,7 @@ def counted(model: GPT) -> dict[str, int]:
         "position table": model.wpe.weight.numel(),
         "final norm": n(model.ln_f),
         "output head": 0,  # unembed() multiplies by wte.weight: no parameter of its own
-        # the tied table once: a quantized model reads out through a copy of it (model.read_out)
-        "total": n(model) - (n(model.read_out) if model.read_out is not None else 0),
+        "total": common.total_weights(model),
     }
 
 
