@@ -121,15 +121,9 @@ class Text:
     """Use the first N tokens of the text, at most the model's context."""
 
 
-def parser(command: str, description: str, *options: type, **defaults: Any) -> Parser:
-    """The parser of ``blocklab command``: the flags of each dataclass in ``options``, with ``defaults``
-    for some of them."""
-    p = Parser(f"blocklab {command}", description)
-    for option in options:
-        p.add_options(option)
-    if defaults:
-        p.set_defaults(defaults)
-    return p
+def parser(command: str, description: str) -> Parser:
+    """The parser of ``blocklab command``, before its options are added (``add_*_args``, ``add_options``)."""
+    return Parser(f"blocklab {command}", description)
 
 
 def add_output_args(p: Parser, *, plot: str | None = None) -> None:
