@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     # the training lab
     "fit": ("lab.train", "train one model from a LightningCLI YAML config"),
     "validate": ("lab.train", "evaluate a checkpoint on the validation split"),
-    "stall": ("lab.stall", "reproduce the post-LN warmup stall: pre-LN vs post-LN, with/without warmup"),
+    "stall": ("lab.stall.cli", "reproduce the post-LN warmup stall: pre-LN vs post-LN, with/without warmup"),
     # inference
     "builtin": ("lab.builtin", "train (once) the embedded GPT-2-shaped default model into the cache dir"),
     "generate": ("lab.generate", "generate text from a model under a block set"),

@@ -1,7 +1,7 @@
 """A learned check for adaptive exit: per block, the probability that the read-out there already picks
 the token the full stack would pick (CALM's trained confidence, Schuster et al. 2022).
 
-    probe = fit_exit_probe(model, windows)   # about 20 s on 2 cores for the builtin model
+    probe = fit_exit_probe(model, windows)   # full-depth passes over the windows, then a fit
     save_exit_probe(probe, directory)        # exit_probe.safetensors beside the weights
     # blocks "adaptive=0.9;check=probe": exit once the probe says 0.9
 

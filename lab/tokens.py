@@ -14,7 +14,6 @@ ranks: ``blocklab tokenizer --out DIR`` (``write_hf_tokenizer``).
 
 from __future__ import annotations
 
-import argparse
 import base64
 import codecs
 import functools
@@ -167,13 +166,18 @@ def write_hf_tokenizer(directory: str | Path) -> Path:
     return out
 
 
+def tokenizer_command(out: Path) -> Path:
+    """Write GPT-2's tokenizer as a Hugging Face directory (for aiperf, lm-eval), offline.
+
+    Args:
+        out: Directory to write vocab.json, merges.txt, tokenizer_config.json and config.json into.
+    """
+    return write_hf_tokenizer(out)
+
+
 def main(argv: list[str]) -> int:
     """``blocklab tokenizer --out DIR``."""
-    parser = argparse.ArgumentParser(
-        prog="blocklab tokenizer",
-        description="Write GPT-2's tokenizer as a Hugging Face directory (for aiperf, lm-eval), offline.",
-    )
-    parser.add_argument("--out", required=True, help="directory to write vocab.json, merges.txt, ... into")
-    args = parser.parse_args(argv[1:])
-    print(write_hf_tokenizer(args.out))
+    from lab import flags
+
+    print(flags.run(tokenizer_command, argv[1:], "blocklab tokenizer"))
     return 0

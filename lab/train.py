@@ -12,11 +12,12 @@ training starts) and ``baselines`` (``{name: nats}``, logged as ``baseline/<name
 
 from __future__ import annotations
 
+import json
 import math
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -61,7 +62,44 @@ def learning_rate(
 
 
 class LitGPT(L.LightningModule):
-    """A GPT trained for next-token cross entropy with AdamW, warmup and a constant or cosine schedule."""
+    """A GPT trained for next-token cross entropy with AdamW, warmup and a constant or cosine schedule.
+
+    Args:
+        config: The model's shape and variant (or a dict of its fields, as checkpoints store it);
+            the CLI sets vocab_size from the data module.
+        lr: Peak learning rate of AdamW.
+        betas: AdamW's moment decay rates.
+        weight_decay: Decoupled weight decay, applied to matrices only (weights and embedding
+            tables); biases and LayerNorm parameters are not decayed.
+        warmup_steps: Optimiser steps of linear warmup from lr/warmup_steps to lr (0: none).
+        schedule: After warmup, hold lr (constant) or follow a cosine down to min_lr (cosine).
+        min_lr: Where the cosine ends.
+        max_steps: Where the cosine ends; default: the trainer's max_steps.
+        block_stats_first: Log each block's gradient norm (grad_norm/blocks.{i}, and of its
+            mlp.c_proj.weight) and Adam's update-to-weight ratio (update_ratio/blocks.{i}) on each
+            of the first this many steps (0: none). They cost a copy of the blocks' weights a step.
+        block_stats_every: And on every this many steps after those (0: never).
+        layer_dropout: LayerSkip's layer dropout, the rate of the last block: block l of L is
+            skipped (its stream passes through) per sequence with probability
+            layer_dropout * (2^(l/(L-1)) - 1), none for the first, rising with depth (0: off).
+        layer_dropout_curriculum: constant, or exponential: the rates grow over training by
+            2^(step/max_steps) - 1, from none to full.
+        early_exit_loss: LayerSkip's early-exit loss: every block's read-out (ln_f and the tied
+            unembedding) also learns the next token, block l weighted early_exit_loss * (l+1)
+            against the last block's L, normalised (0: off). Logged as
+            train/exit_loss/blocks.{l} and, per validation, val/exit_loss/blocks.{l}.
+        early_exit_every: The rotational curriculum: each step only every this-many-th block's
+            read-out is trained, rotating with the step, to keep the cost down (1: all).
+        early_exit_tokens: The share of a training batch's positions (drawn afresh each step) whose
+            early-exit losses are computed: each read-out is a whole unembedding, which at a large
+            vocabulary and a narrow width costs as much as all the blocks (1: every position).
+        optimizer: adamw for every parameter, or muon: Muon (``lab.optim``) for the blocks'
+            weight matrices and AdamW (lr, betas, weight_decay) for the tables, norms and biases.
+        muon_lr: Muon's peak learning rate; the schedule scales it as it scales lr.
+        train_seconds: A wall-clock budget the schedule also follows: it stands at whichever is
+            further along, the step or the elapsed share of train_seconds of max_steps, so a
+            machine slower than planned still ends its cosine on time (None: steps only).
+    """
 
     def __init__(
         self,
@@ -84,43 +122,6 @@ class LitGPT(L.LightningModule):
         muon_lr: float = 0.02,
         train_seconds: float | None = None,
     ):
-        """
-        Args:
-            config: The model's shape and variant (or a dict of its fields, as checkpoints store it);
-                the CLI sets vocab_size from the data module.
-            lr: Peak learning rate of AdamW.
-            betas: AdamW's moment decay rates.
-            weight_decay: Decoupled weight decay, applied to matrices only (weights and embedding
-                tables); biases and LayerNorm parameters are not decayed.
-            warmup_steps: Optimiser steps of linear warmup from lr/warmup_steps to lr (0: none).
-            schedule: After warmup, hold lr (constant) or follow a cosine down to min_lr (cosine).
-            min_lr: Where the cosine ends.
-            max_steps: Where the cosine ends; default: the trainer's max_steps.
-            block_stats_first: Log each block's gradient norm (grad_norm/blocks.{i}, and of its
-                mlp.c_proj.weight) and Adam's update-to-weight ratio (update_ratio/blocks.{i}) on each
-                of the first this many steps (0: none). They cost a copy of the blocks' weights a step.
-            block_stats_every: And on every this many steps after those (0: never).
-            layer_dropout: LayerSkip's layer dropout, the rate of the last block: block l of L is
-                skipped (its stream passes through) per sequence with probability
-                layer_dropout * (2^(l/(L-1)) - 1), none for the first, rising with depth (0: off).
-            layer_dropout_curriculum: constant, or exponential: the rates grow over training by
-                2^(step/max_steps) - 1, from none to full.
-            early_exit_loss: LayerSkip's early-exit loss: every block's read-out (ln_f and the tied
-                unembedding) also learns the next token, block l weighted early_exit_loss * (l+1)
-                against the last block's L, normalised (0: off). Logged as
-                train/exit_loss/blocks.{l} and, per validation, val/exit_loss/blocks.{l}.
-            early_exit_every: The rotational curriculum: each step only every this-many-th block's
-                read-out is trained, rotating with the step, to keep the cost down (1: all).
-            early_exit_tokens: The share of a training batch's positions (drawn afresh each step) whose
-                early-exit losses are computed: each read-out is a whole unembedding, which at a large
-                vocabulary and a narrow width costs as much as all the blocks (1: every position).
-            optimizer: adamw for every parameter, or muon: Muon (``lab.optim``) for the blocks'
-                weight matrices and AdamW (lr, betas, weight_decay) for the tables, norms and biases.
-            muon_lr: Muon's peak learning rate; the schedule scales it as it scales lr.
-            train_seconds: A wall-clock budget the schedule also follows: it stands at whichever is
-                further along, the step or the elapsed share of train_seconds of max_steps, so a
-                machine slower than planned still ends its cosine on time (None: steps only).
-        """
         super().__init__()
         self.save_hyperparameters()
         # A checkpoint holds the config as a plain dict, so it loads with torch.load(weights_only=True).
@@ -352,8 +353,34 @@ class LitGPT(L.LightningModule):
 
 # The data is an endless random-window stream (lab.data): there are no epochs, so validation runs every
 # val_check_interval steps, and the loader must not be replaced by a DistributedSampler (it splits the
-# stream across ranks itself).
+# stream across ranks itself). Every Trainer of the lab has these: make_trainer's and `blocklab fit`'s.
 STREAM_TRAINER_ARGS = {"check_val_every_n_epoch": None, "use_distributed_sampler": False}
+
+# What an experiment's or a script's run shares; make_trainer's arguments override any of them.
+RUN_TRAINER_ARGS = {
+    **STREAM_TRAINER_ARGS,
+    # One device per run, whatever the machine has: DDP over several would multiply the batch and change
+    # the experiment (a multi-GPU machine runs variants side by side: docs/training.md).
+    "devices": 1,
+    "num_sanity_val_steps": 0,
+    "gradient_clip_val": 1.0,
+    "logger": False,
+    "log_every_n_steps": 1,
+    # the caller reports its own progress and keeps what it needs (no checkpoints)
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+
+
+def make_trainer(max_steps: int, **trainer_args: Any) -> L.Trainer:
+    """The Trainer of one run over ``lab.data``'s stream: ``max_steps`` steps, validation once after the
+    last (unless ``val_check_interval``), ``RUN_TRAINER_ARGS`` for the rest; ``trainer_args`` are any of
+    ``L.Trainer``'s and override those (``logger=``, ``callbacks=``, ``precision=``, ``devices=2,
+    strategy="ddp"``...). `blocklab fit` builds its Trainer from YAML instead (``TRAINER_DEFAULTS``)."""
+    run = {"max_steps": max_steps, "val_check_interval": max_steps}
+    return L.Trainer(**{**RUN_TRAINER_ARGS, **run, **trainer_args})
+
 
 # Defaults of `blocklab fit`: one run directory runs/<version> holds the TensorBoard events, config.yaml
 # and checkpoints/. The version is pinned, so a restart finds runs/<version>/checkpoints/last.ckpt again
@@ -371,8 +398,18 @@ TRAINER_DEFAULTS = {
 }
 
 
+@dataclass
+class StallPresetOption:
+    """A run of the stall experiment."""
+
+    stall_preset: str | None = None
+    """A preset of `blocklab stall` (configs/stall/NAME.yaml): its model, optimiser, data, steps and first
+    seed are this run's defaults, below every --config and flag (configs/preln.yaml: cpu)."""
+
+
 class LabCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
+        parser.add_class_arguments(StallPresetOption)
         parser.add_lightning_class_args(L.pytorch.callbacks.ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0})
         parser.set_defaults({"checkpoint.every_n_train_steps": 100})
@@ -390,7 +427,19 @@ class LabCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         # args always comes from `blocklab` (lab.cli), which also leaves it in sys.argv: the base class
         # would warn about getting both.
-        self.config = parser.parse_args(args)
+        # --print_config prints and exits where it stands: the first pass, which finds the preset, skips it
+        config = parser.parse_args([arg for arg in args if not arg.startswith("--print_config")])
+        subcommand = config.get("subcommand")
+        preset = (config[subcommand] if subcommand else config).stall_preset
+        if preset is not None:  # parse again, the preset's settings first: any config or flag overrides them
+            from lab.stall.cli import load_preset
+
+            at = args.index(subcommand) + 1 if subcommand else 0
+            settings = json.dumps(load_preset(preset).fit_config())
+            config = parser.parse_args([*args[:at], "--config", settings, *args[at:]])
+        elif any(arg.startswith("--print_config") for arg in args):
+            config = parser.parse_args(args)
+        self.config = config
 
 
 def main(argv: list[str]) -> int:

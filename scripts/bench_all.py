@@ -20,8 +20,6 @@ cancels; the load average before and after is recorded, because on a shared CPU 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import subprocess
@@ -29,7 +27,10 @@ import sys
 import tempfile
 import time
 from importlib.metadata import version
+from json import dumps, loads
 from pathlib import Path
+
+from lab import flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,15 +47,10 @@ def run_json(name: str, command: list[str], json_path: Path | None = None) -> di
     # libraries may print lines of their own before the JSON: it starts at the first line opening "{"
     text = text[text.index("{") if text.startswith("{") else text.index("\n{") + 1 :]
     print(f"[{name}] done in {elapsed:.0f} s", file=sys.stderr, flush=True)
-    return {"command": " ".join(command), "seconds": round(elapsed, 1), "results": json.loads(text)}
+    return {"command": " ".join(command), "seconds": round(elapsed, 1), "results": loads(text)}
 
 
-def headline(runs: dict) -> list[tuple[str, str, str]]:
-    """(measure, value, target) rows for the summary table."""
-    decode = runs["decode"]["results"]
-    serve = runs["serve"]["results"]
-    train = runs["train"]["results"]
-    depth = runs["depth"]["results"]
+def decode_rows(decode: dict) -> list[tuple[str, str, str]]:
     ms = decode["ms_per_token"]
     rows = []
     for dtype in ("float32", "bfloat16", "int8", "int4"):
@@ -66,9 +62,56 @@ def headline(runs: dict) -> list[tuple[str, str, str]]:
             ),
             (f"decode: ours {dtype} / bandwidth bound", f"{decode['ratio_to_bound'][dtype]:.2f}", "<= 1.5"),
         ]
-    rows += [
+    return rows + [
         ("decode: transformers fp32 ms/token", f"{ms['transformers fp32']:.1f}", ""),
         ("decode: blocks' share of a step (fit)", f"{decode['fit']['block_share']:.2f}", ""),
+    ]
+
+
+def scheduler_rows(r: dict) -> list[tuple[str, str, str]]:
+    """The rows of one scheduler measurement of scripts/bench_serve.py (a model, a dtype, a mode)."""
+    name = f"scheduler, {r['model']} {r['dtype']}, {'invariant' if r['batch_invariant'] else 'shared'}"
+    same = "same" if r["batched_tokens_equal"] else "DIFFERENT"
+    return [
+        (
+            f"{name}: 1-token request during a 200-token generation, ms",
+            f"{r['one_token_during_200_token_generation_ms']:.0f} (alone {r['one_token_alone_ms']:.0f})",
+            f"<= {r['head_of_line_bound_ms']:.0f}",
+        ),
+        (
+            f"{name}: TTFT p50 of 4 streaming clients, ms",
+            f"{r['ttft_4_clients_p50_ms']:.0f} (alone {r['ttft_alone_ms']:.0f})",
+            f"<= {r['ttft_bound_ms']:.0f}",
+        ),
+        (f"{name}: 4 block sets at once / in turn", f"{r['four_block_sets_speedup']:.2f}", ">= 1.6"),
+        (f"{name}: 8 adaptive clients / 1", f"{r['eight_adaptive_speedup']:.2f}", ">= 2"),
+        (f"{name}: TPOT of skip half / all, 4 clients", f"{r['tpot_skip_half_over_all']:.2f}", "<= 0.7"),
+        (
+            f"{name}: alone vs among 8 mixed, max loss difference; seeded tokens",
+            f"{r['batched_loss_max_abs_diff']:.1e}; {same}",
+            "<= 1e-6 fp32, 1e-4 int4; same",
+        ),
+        (f"{name}: 8 clients / 1, requests/s", f"{r['throughput_8_clients_over_1']:.2f}", ">= 2.1"),
+    ]
+
+
+def speculate_row(result: dict) -> tuple[str, str, str]:
+    best = max(result["rows"], key=lambda row: row["speedup"])
+    identical = all(row["greedy_identical"] for row in result["rows"])
+    return (
+        f"speculate, {result['model']}: best tokens/s over full depth ({best['block_set']}; "
+        f"{best['acceptance_rate']:.0%} accepted); greedy tokens identical at every setting",
+        f"{best['speedup']:.2f}x; {'yes' if identical else 'NO'}",
+        ">= 1.3x (builtin-early-exit); yes",
+    )
+
+
+def headline(runs: dict) -> list[tuple[str, str, str]]:
+    """(measure, value, target) rows for the summary table."""
+    serve = runs["serve"]["results"]
+    depth = runs["depth"]["results"]
+    rows = decode_rows(runs["decode"]["results"])
+    rows += [
         (
             "serve: HTTP overhead over in-process, p50 ms",
             f"{serve['overhead']['overhead_p50_ms']:.2f}",
@@ -80,48 +123,13 @@ def headline(runs: dict) -> list[tuple[str, str, str]]:
             f"{serve['batching']['mixed_throughput_ratio']:.2f}",
             ">= 2",
         ),
-        ("train: Lightning / plain torch step time", f"{train['ratio']:.3f}", "<= 1.05"),
+        ("train: Lightning / plain torch step time", f"{runs['train']['results']['ratio']:.3f}", "<= 1.05"),
     ]
     for r in serve["scheduling"]:
-        name = f"scheduler, {r['model']} {r['dtype']}, {'invariant' if r['batch_invariant'] else 'shared'}"
-        same = "same" if r["batched_tokens_equal"] else "DIFFERENT"
-        rows += [
-            (
-                f"{name}: 1-token request during a 200-token generation, ms",
-                f"{r['one_token_during_200_token_generation_ms']:.0f} (alone {r['one_token_alone_ms']:.0f})",
-                f"<= {r['head_of_line_bound_ms']:.0f}",
-            ),
-            (
-                f"{name}: TTFT p50 of 4 streaming clients, ms",
-                f"{r['ttft_4_clients_p50_ms']:.0f} (alone {r['ttft_alone_ms']:.0f})",
-                f"<= {r['ttft_bound_ms']:.0f}",
-            ),
-            (f"{name}: 4 block sets at once / in turn", f"{r['four_block_sets_speedup']:.2f}", ">= 1.6"),
-            (f"{name}: 8 adaptive clients / 1", f"{r['eight_adaptive_speedup']:.2f}", ">= 2"),
-            (f"{name}: TPOT of skip half / all, 4 clients", f"{r['tpot_skip_half_over_all']:.2f}", "<= 0.7"),
-            (
-                f"{name}: alone vs among 8 mixed, max loss difference; seeded tokens",
-                f"{r['batched_loss_max_abs_diff']:.1e}; {same}",
-                "<= 1e-6 fp32, 1e-4 int4; same",
-            ),
-            (f"{name}: 8 clients / 1, requests/s", f"{r['throughput_8_clients_over_1']:.2f}", ">= 2.1"),
-        ]
+        rows += scheduler_rows(r)
     for row in depth["rows"]:
         rows.append((f"depth: {row['stack']} / {depth['baseline']} ms per token", f"{row['ratio']:.2f}", ""))
-    for name, run in runs.items():
-        if not name.startswith("speculate"):
-            continue
-        result = run["results"]
-        best = max(result["rows"], key=lambda row: row["speedup"])
-        identical = all(row["greedy_identical"] for row in result["rows"])
-        rows.append(
-            (
-                f"speculate, {result['model']}: best tokens/s over full depth ({best['block_set']}; "
-                f"{best['acceptance_rate']:.0%} accepted); greedy tokens identical at every setting",
-                f"{best['speedup']:.2f}x; {'yes' if identical else 'NO'}",
-                ">= 1.3x (builtin-early-exit); yes",
-            )
-        )
+    rows += [speculate_row(run["results"]) for name, run in runs.items() if name.startswith("speculate")]
     return rows
 
 
@@ -168,38 +176,30 @@ def render(runs: dict, meta: dict) -> str:
             f"`{run['command']}` ({run['seconds']:.0f} s)",
             "",
             "```json",
-            json.dumps(run["results"], indent=1),
+            dumps(run["results"], indent=1),
             "```",
             "",
         ]
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
-    parser.add_argument("--json", type=Path, help="also write every result here")
-    args = parser.parse_args()
-
+def run_all() -> dict:
+    """Every benchmark, one after another, with settings shortened to fit a few minutes."""
     python = sys.executable
-    started, load_before = time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         decode_json = Path(tmp) / "decode.json"
+        decode = [
+            python,
+            "scripts/bench_decode.py",
+            "--rounds",
+            "3",
+            "--tokens",
+            "16",
+            "--json",
+            str(decode_json),
+        ]
         runs = {
-            "decode": run_json(
-                "decode",
-                [
-                    python,
-                    "scripts/bench_decode.py",
-                    "--rounds",
-                    "3",
-                    "--tokens",
-                    "16",
-                    "--json",
-                    str(decode_json),
-                ],
-                decode_json,
-            ),
+            "decode": run_json("decode", decode, decode_json),
             "serve": run_json(
                 "serve",
                 [python, "scripts/bench_serve.py", "--overhead-requests", "150", "--requests", "6", "--json"],
@@ -218,6 +218,18 @@ def main() -> None:
                     "--drafts", "3", "5", "--prompts", "6", "--new-tokens", "48", "--json",
                 ],
             )  # fmt: skip
+    return runs
+
+
+def main(out: Path = ROOT / "BENCHMARKS.md", json: Path | None = None) -> None:
+    """Run every benchmark and write the results.
+
+    Args:
+        out: The Markdown file to write.
+        json: Also write every result here, as JSON.
+    """
+    started, load_before = time.monotonic(), os.getloadavg()[0]
+    runs = run_all()
     meta = {
         "command": "python scripts/bench_all.py",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -229,11 +241,11 @@ def main() -> None:
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
     }
-    args.out.write_text(render(runs, meta))
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    print(f"wrote {args.out}")
+    out.write_text(render(runs, meta))
+    if json:
+        json.write_text(dumps({"meta": meta, "runs": runs}, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    main()
+    flags.call(main)

@@ -12,8 +12,8 @@ shared with other jobs slows all of them alike. Reports:
   ``transformers.GPT2LMHeadModel`` fp32 (same weights, its own KV cache), and ours with fp32, bf16, and
   weight-only int8 and int4 weights (``lab.quantize``);
 - the bandwidth bound: the weight bytes one token reads / the best read bandwidth measured here on a
-  buffer of the same size (on this machine the L3 cache is about as large as GPT-2 small's fp32
-  weights, so "memory bandwidth" is that of reading such a buffer again and again, as decoding does);
+  buffer of the same size, read again and again as decoding does (where the last-level cache is about
+  as large as the weights, that is the cache's bandwidth more than the memory's);
 - ms/token with k of 12 blocks skipped, a linear fit (fixed part + per block), and the saving;
 - the split of a step: its matrix products alone (every Linear at one row, then the read-out, swept
   in turn as a step runs them) and the rest, and the rate at which the products stream the weights;
@@ -27,18 +27,17 @@ shared with other jobs slows all of them alike. Reports:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import statistics
 import time
+from json import dumps
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from lab import tokens
+from lab import flags, tokens
 from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
 from lab.generate import Decoder, score, stability
@@ -48,6 +47,8 @@ from lab.weights import BUILTIN_MODELS, builtin_dir
 
 LOW_PRECISION = ("bfloat16", "int8", "int4")
 """Weights besides fp32 that decoding is measured with (lab.quantize)."""
+SKIPS = (3, 6, 9, 12)
+"""Blocks skipped (the last k) in the per-block fit."""
 
 
 def hf_twin(model: GPT):
@@ -203,79 +204,55 @@ def builtin_quality(name: str = "builtin") -> dict | None:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per measurement")
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json", help="also write the results here")
-    parser.add_argument(
-        "--quality-only", action="store_true", help="only the builtin models' losses (no timing): seconds"
-    )
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()
-    if args.quality_only:
-        results = {name: builtin_quality(name) for name in BUILTIN_MODELS}
-        print(json.dumps(results, indent=2))
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2))
-        return
-
-    models = {dtype: load("gpt2-random", dtype) for dtype in ("float32", *LOW_PRECISION)}
+def decode_ms(models: dict[str, GPT], prompt: list[int], tokens: int, rounds: int) -> tuple[dict, float]:
+    """ms/token of every configuration (transformers fp32, ours in each dtype, ours fp32 with the adaptive
+    check after every block and with k blocks skipped), the median over ``rounds`` rounds each timing
+    every configuration once; and the largest logit difference between transformers and ours."""
     ours = models["float32"]
     hf = hf_twin(ours)
-    prompt = torch.randint(
-        0, 50257, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)
-    ).tolist()
     with torch.inference_mode():  # same weights, same function
         diff = (hf(torch.tensor([prompt])).logits - ours(torch.tensor([prompt]))).abs().max().item()
     n = ours.config.n_layer
-    configs = {"transformers fp32": lambda: ms_per_token_hf(hf, prompt, args.tokens)}
+    configs = {"transformers fp32": lambda: ms_per_token_hf(hf, prompt, tokens)}
     for dtype, model in models.items():
-        configs[f"ours {dtype}"] = lambda m=model: ms_per_token_ours(m, BlockSet(), prompt, args.tokens)
+        configs[f"ours {dtype}"] = lambda m=model: ms_per_token_ours(m, BlockSet(), prompt, tokens)
     configs["ours float32 adaptive=1.0"] = lambda: ms_per_token_ours(
-        ours, BlockSet(adaptive_threshold=1.0), prompt, args.tokens
+        ours, BlockSet(adaptive_threshold=1.0), prompt, tokens
     )
-    skips = [3, 6, 9, 12]
-    for k in skips:
+    for k in SKIPS:
         block_set = BlockSet(skip=frozenset(range(n - k, n)))
-        configs[f"ours float32 skip {k}"] = lambda b=block_set: ms_per_token_ours(
-            ours, b, prompt, args.tokens
-        )
+        configs[f"ours float32 skip {k}"] = lambda b=block_set: ms_per_token_ours(ours, b, prompt, tokens)
     for fn in configs.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, fn in configs.items():
             times[name].append(fn())
     ms = {name: statistics.median(values) for name, values in times.items()}
     ms["ours float32 skip 0"] = ms["ours float32"]
+    return ms, diff
 
-    weight_bytes = {dtype: weight_bytes_per_token(model) for dtype, model in models.items()}
-    bandwidth = {dtype: read_bandwidth(n_bytes) for dtype, n_bytes in weight_bytes.items()}
-    bound = {dtype: weight_bytes[dtype] / bandwidth[dtype] / 1e6 for dtype in models}  # ms
-    products = {dtype: weights_ms(model) for dtype, model in models.items()}
 
-    # ms/token = fixed + per_block * blocks run: least squares over the skip measurements
-    xs = [n - k for k in [0, *skips]]
-    ys = [ms[f"ours float32 skip {k}"] for k in [0, *skips]]
+def per_block_fit(ms: dict[str, float], n: int) -> dict[str, float]:
+    """ms/token = fixed + per_block * blocks run: least squares over the skip measurements."""
+    xs = [n - k for k in [0, *SKIPS]]
+    ys = [ms[f"ours float32 skip {k}"] for k in [0, *SKIPS]]
     x_mean, y_mean = statistics.mean(xs), statistics.mean(ys)
     per_block = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys, strict=True)) / sum(
         (x - x_mean) ** 2 for x in xs
     )
     fixed = y_mean - per_block * x_mean
-    check_end_to_end = (ms["ours float32 adaptive=1.0"] - ms["ours float32"]) / (n - 1)
-    results = {
-        "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "load_before": load_before,
-        "load_after": os.getloadavg(),
-        "hf_vs_ours_max_logit_diff": diff,
-        "ms_per_token": ms,
-        "ratio_to_hf_fp32": {dtype: ms[f"ours {dtype}"] / ms["transformers fp32"] for dtype in models},
+    return {"fixed_ms": fixed, "per_block_ms": per_block, "block_share": per_block * n / ms["ours float32"]}
+
+
+def bandwidth_results(models: dict[str, GPT], ms: dict[str, float]) -> dict:
+    """Per dtype: the weight bytes a token reads, the read bandwidth here, the bound they give, and the
+    split of a step into its matrix products and the rest."""
+    weight_bytes = {dtype: weight_bytes_per_token(model) for dtype, model in models.items()}
+    bandwidth = {dtype: read_bandwidth(n_bytes) for dtype, n_bytes in weight_bytes.items()}
+    bound = {dtype: weight_bytes[dtype] / bandwidth[dtype] / 1e6 for dtype in models}  # ms
+    products = {dtype: weights_ms(model) for dtype, model in models.items()}
+    return {
         "weight_mb_per_token": {dtype: n_bytes / 1e6 for dtype, n_bytes in weight_bytes.items()},
         "read_bandwidth_gb_s": bandwidth,
         "bound_ms": bound,
@@ -288,20 +265,61 @@ def main() -> None:
             }
             for dtype in models
         },
-        "fit": {
-            "fixed_ms": fixed,
-            "per_block_ms": per_block,
-            "block_share": per_block * n / ms["ours float32"],
-        },
-        "adaptive_check_ms": {"end_to_end_per_block": check_end_to_end, "alone": check_cost_alone(ours)},
-        "unembed_ms": {"fp32": unembed_ms(ours), "bf16": unembed_ms(models["bfloat16"])},
-        **{name.replace("-", "_"): builtin_quality(name) for name in BUILTIN_MODELS},
     }
-    print(json.dumps(results, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+
+
+def main(
+    threads: int = torch.get_num_threads(),
+    tokens: int = 32,
+    prompt_tokens: int = 32,
+    rounds: int = 5,
+    json: str | None = None,
+    quality_only: bool = False,
+) -> None:
+    """Measure, print the results as JSON, and write them to ``json`` if given.
+
+    Args:
+        threads: Torch threads (default: torch's).
+        tokens: Decoded tokens per measurement.
+        prompt_tokens: Tokens of the prompt.
+        rounds: Rounds of measurements; the median is reported.
+        json: Also write the results here.
+        quality_only: Only the builtin models' losses (no timing): seconds.
+    """
+    torch.set_num_threads(threads)
+    load_before = os.getloadavg()
+    if quality_only:
+        results = {name: builtin_quality(name) for name in BUILTIN_MODELS}
+    else:
+        models = {dtype: load("gpt2-random", dtype) for dtype in ("float32", *LOW_PRECISION)}
+        ours = models["float32"]
+        prompt = torch.randint(
+            0, 50257, (prompt_tokens,), generator=torch.Generator().manual_seed(0)
+        ).tolist()
+        ms, diff = decode_ms(models, prompt, tokens, rounds)
+        n = ours.config.n_layer
+        results = {
+            "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "threads": threads,
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+            "hf_vs_ours_max_logit_diff": diff,
+            "ms_per_token": ms,
+            "ratio_to_hf_fp32": {dtype: ms[f"ours {dtype}"] / ms["transformers fp32"] for dtype in models},
+            **bandwidth_results(models, ms),
+            "fit": per_block_fit(ms, n),
+            "adaptive_check_ms": {
+                "end_to_end_per_block": (ms["ours float32 adaptive=1.0"] - ms["ours float32"]) / (n - 1),
+                "alone": check_cost_alone(ours),
+            },
+            "unembed_ms": {"fp32": unembed_ms(ours), "bf16": unembed_ms(models["bfloat16"])},
+            **{name.replace("-", "_"): builtin_quality(name) for name in BUILTIN_MODELS},
+        }
+    print(dumps(results, indent=2))
+    if json:
+        Path(json).write_text(dumps(results, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    flags.call(main)

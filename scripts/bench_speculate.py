@@ -1,7 +1,7 @@
 """Self-speculative decoding at batch 1: tokens per second against full-depth decoding, per draft
 exit E and draft length K, with the acceptance rate, and whether the greedy tokens are the same.
 
-    python scripts/bench_speculate.py --model builtin                      # a few minutes on 2 cores
+    python scripts/bench_speculate.py --model builtin
     python scripts/bench_speculate.py --model builtin --exits 2 4 6 --drafts 2 4 --prompts 10 --json
 
 Prompts are held-out standard library source (``lab.corpora``), the text the builtin model was not
@@ -16,15 +16,15 @@ verify_cost), and speculation pays once enough drafts are accepted to lift token
 the denominator (docs/inference.md works it out for GPT-2 small's shapes).
 """
 
-import argparse
-import json
 import sys
 import time
+from json import dumps
 from pathlib import Path
+from typing import Literal
 
 import torch
 
-from lab import tokens
+from lab import flags, tokens
 from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
 from lab.generate import SpeculationStats, generate
@@ -48,77 +48,99 @@ def decode(model, prompts: list[list[int]], new: int, block_set: BlockSet) -> tu
     return time.perf_counter() - start, outputs, stats
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="builtin")
-    parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default="float32")
-    parser.add_argument("--exits", type=int, nargs="+", default=[2, 4, 6, 8])
-    parser.add_argument("--drafts", type=int, nargs="+", default=[2, 4, 6])
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=None, help="write speculate.json and speculate.png here")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    model = load(args.model, args.dtype)
-    depth = model.config.n_layer
-    prompts = prompts_from_stdlib(args.prompts, args.prompt_tokens)
-    decode(model, prompts[:1], 8, BlockSet())  # warm-up
+def speculation_row(model, prompts: list[list[int]], exit_block: int, k: int, new_tokens: int, draft_cost):
+    """One setting ``speculate=E;k=K`` against full depth, timed in turn; ``draft_cost`` (None: measure it
+    here, beside this baseline) is a draft token's time over a full-depth token's. Returns the row and
+    the draft cost."""
+    spec = BlockSet.parse(f"speculate={exit_block};k={k}", model.config.n_layer)
+    full_s, full_tokens, _ = decode(model, prompts, new_tokens, BlockSet())
+    full_token_s = full_s / sum(map(len, full_tokens))
+    if draft_cost is None:  # the draft's own pass, once per E, beside this baseline
+        exit_s, exit_tokens, _ = decode(model, prompts, new_tokens, BlockSet(exit_at=exit_block))
+        draft_cost = (exit_s / sum(map(len, exit_tokens))) / full_token_s
+    spec_s, spec_tokens, stats = decode(model, prompts, new_tokens, spec)
+    round_s = spec_s / max(1, stats.rounds)
+    drafts_per_round = stats.drafted / max(1, stats.rounds)
+    row = {
+        "block_set": str(spec),
+        "exit": exit_block,
+        "k": k,
+        "speedup": round(full_s / spec_s, 3),
+        "acceptance_rate": round(stats.acceptance_rate or 0.0, 3),
+        "tokens_per_verify": round(sum(map(len, spec_tokens)) / max(1, stats.rounds), 2),
+        "drafts_per_round": round(drafts_per_round, 2),
+        "draft_cost": round(draft_cost, 3),
+        "verify_cost": round(round_s / full_token_s - drafts_per_round * draft_cost, 3),
+        "full_tokens_per_s": round(sum(map(len, full_tokens)) / full_s, 1),
+        "tokens_per_s": round(sum(map(len, spec_tokens)) / spec_s, 1),
+        "greedy_identical": spec_tokens == full_tokens,
+    }
+    return row, draft_cost
+
+
+def print_row(r: dict) -> None:
+    print(
+        f"{r['block_set']:>18}  speedup {r['speedup']:.2f}x  "
+        f"accepted {r['acceptance_rate']:.0%}  "
+        f"{r['tokens_per_s']:.1f} vs {r['full_tokens_per_s']:.1f} tok/s  "
+        f"draft {r['draft_cost']:.2f} verify {r['verify_cost']:.2f} (full tokens)  "
+        f"identical {r['greedy_identical']}",
+        flush=True,
+    )
+
+
+def main(
+    model: str = "builtin",
+    dtype: Literal[WEIGHT_DTYPES] = "float32",
+    exits: tuple[int, ...] = (2, 4, 6, 8),
+    drafts: tuple[int, ...] = (2, 4, 6),
+    prompts: int = 8,
+    prompt_tokens: int = 32,
+    new_tokens: int = 64,
+    threads: int = 1,
+    out: Path | None = None,
+    json: bool = False,
+) -> int:
+    """Decode under every speculate=E;k=K and at full depth; print a row per setting, or the JSON.
+
+    Args:
+        model: The model to load (builtin, builtin-early-exit, a directory, ...).
+        dtype: Its weights' type.
+        exits: Draft exits E: the blocks that draft.
+        drafts: Draft lengths K: the tokens drafted per round.
+        prompts: Held-out standard-library files to take a prompt from.
+        prompt_tokens: Tokens of each prompt.
+        new_tokens: Tokens decoded after each prompt.
+        threads: Torch threads.
+        out: Write speculate.json and speculate.png here.
+        json: Print the results as one JSON object instead of a line per setting.
+    """
+    torch.set_num_threads(threads)
+    loaded = load(model, dtype)
+    texts = prompts_from_stdlib(prompts, prompt_tokens)
+    decode(loaded, texts[:1], 8, BlockSet())  # warm-up
     rows = []
-    for exit_block in args.exits:
+    for exit_block in exits:
         draft_cost = None
-        for k in args.drafts:
-            spec = BlockSet.parse(f"speculate={exit_block};k={k}", depth)
-            full_s, full_tokens, _ = decode(model, prompts, args.new_tokens, BlockSet())
-            full_token_s = full_s / sum(map(len, full_tokens))
-            if draft_cost is None:  # the draft's own pass, once per E, beside this baseline
-                exit_s, exit_tokens, _ = decode(model, prompts, args.new_tokens, BlockSet(exit_at=exit_block))
-                draft_cost = (exit_s / sum(map(len, exit_tokens))) / full_token_s
-            spec_s, spec_tokens, stats = decode(model, prompts, args.new_tokens, spec)
-            round_s = spec_s / max(1, stats.rounds)
-            drafts_per_round = stats.drafted / max(1, stats.rounds)
-            rows.append(
-                {
-                    "block_set": str(spec),
-                    "exit": exit_block,
-                    "k": k,
-                    "speedup": round(full_s / spec_s, 3),
-                    "acceptance_rate": round(stats.acceptance_rate or 0.0, 3),
-                    "tokens_per_verify": round(sum(map(len, spec_tokens)) / max(1, stats.rounds), 2),
-                    "drafts_per_round": round(drafts_per_round, 2),
-                    "draft_cost": round(draft_cost, 3),
-                    "verify_cost": round(round_s / full_token_s - drafts_per_round * draft_cost, 3),
-                    "full_tokens_per_s": round(sum(map(len, full_tokens)) / full_s, 1),
-                    "tokens_per_s": round(sum(map(len, spec_tokens)) / spec_s, 1),
-                    "greedy_identical": spec_tokens == full_tokens,
-                }
-            )
-            if not args.json:
-                r = rows[-1]
-                print(
-                    f"{r['block_set']:>18}  speedup {r['speedup']:.2f}x  "
-                    f"accepted {r['acceptance_rate']:.0%}  "
-                    f"{r['tokens_per_s']:.1f} vs {r['full_tokens_per_s']:.1f} tok/s  "
-                    f"draft {r['draft_cost']:.2f} verify {r['verify_cost']:.2f} (full tokens)  "
-                    f"identical {r['greedy_identical']}",
-                    flush=True,
-                )
+        for k in drafts:
+            row, draft_cost = speculation_row(loaded, texts, exit_block, k, new_tokens, draft_cost)
+            rows.append(row)
+            if not json:
+                print_row(row)
     result = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "prompts": args.prompts,
-        "new_tokens": args.new_tokens,
-        "threads": args.threads,
+        "model": model,
+        "dtype": dtype,
+        "prompts": prompts,
+        "new_tokens": new_tokens,
+        "threads": threads,
         "rows": rows,
     }
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "speculate.json").write_text(json.dumps(result, indent=2) + "\n")
-        plot(rows, args.out / "speculate.png", f"{args.model}: self-speculative decoding, batch 1")
-    if args.json:
-        print(json.dumps(result, indent=2))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "speculate.json").write_text(dumps(result, indent=2) + "\n")
+        plot(rows, out / "speculate.png", f"{model}: self-speculative decoding, batch 1")
+    if json:
+        print(dumps(result, indent=2))
     return 0
 
 
@@ -148,4 +170,4 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(flags.call(main))

@@ -6,27 +6,29 @@
 
 Both legs train the same model (lab.model.GPT, same init), with the same AdamW groups and schedule (from
 LitGPT.configure_optimizers), on the same batches (lab.data.RandomWindows), with gradient clipping at 1.0.
-The Lightning leg runs the stall experiment's Trainer settings (TensorBoard logging every step, the
-NaN guard, grad_norm). Legs alternate, ``--repeats`` times each, and the best time of each is compared,
-so load from other processes hits both alike. The first ``--skip`` steps of every leg are not timed.
+The Lightning leg runs the Trainer every run of the lab gets (``lab.train.make_trainer``: TensorBoard
+logging every step, the NaN guard, grad_norm), as the stall experiment does. Legs alternate,
+``--repeats`` times each, and the best time of each is compared, so load from other processes hits
+both alike. The first ``--skip`` steps of every leg are not timed.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import tempfile
 import time
+from json import dumps
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lab import flags
 from lab.config import GPTConfig
 from lab.data import CharDataModule, RandomWindows
-from lab.train import STREAM_TRAINER_ARGS, LitGPT
+from lab.stall.cli import load_preset
+from lab.train import LitGPT, make_trainer
 
 
 class StepTimer(L.Callback):
@@ -63,44 +65,44 @@ def plain_loop(lit: LitGPT, windows: RandomWindows, steps: int, skip: int) -> fl
 
 def lightning_loop(lit: LitGPT, data: CharDataModule, steps: int, skip: int, log_dir: str) -> float:
     timer = StepTimer(skip)
-    trainer = L.Trainer(
-        **STREAM_TRAINER_ARGS,
-        max_steps=steps,
-        limit_val_batches=0,
-        gradient_clip_val=1.0,
-        logger=TensorBoardLogger(log_dir, name="", version="bench"),
-        log_every_n_steps=1,
-        callbacks=[timer],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    logger = TensorBoardLogger(log_dir, name="", version="bench")
+    trainer = make_trainer(steps, limit_val_batches=0, logger=logger, callbacks=[timer])
     trainer.fit(lit, data)
     return (timer.end - timer.start) / (steps - skip)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--width", type=int, default=384)
-    parser.add_argument("--heads", type=int, default=6)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--skip", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", action="store_true", help="print the numbers as JSON instead")
-    args = parser.parse_args()
+def main(
+    width: int | None = None,
+    heads: int | None = None,
+    layers: int | None = None,
+    seq_len: int | None = None,
+    batch_size: int | None = None,
+    steps: int = 40,
+    skip: int = 5,
+    repeats: int = 3,
+    json: bool = False,
+) -> None:
+    """Time both legs and print their best times and the ratio.
 
+    Args:
+        width: The model's width (default: the stall experiment's cpu preset's, as for the next four).
+        heads: Attention heads per block.
+        layers: Blocks.
+        seq_len: Characters per training window.
+        batch_size: Windows per batch.
+        steps: Training steps per leg.
+        skip: The first steps of each leg, not timed.
+        repeats: Times each leg runs; the best of each is compared.
+        json: Print the numbers as one JSON object instead.
+    """
+    cpu = load_preset("cpu")
+    width, heads, layers = width or cpu.n_embd, heads or cpu.n_head, layers or cpu.n_layer
+    seq_len, batch_size = seq_len or cpu.seq_len, batch_size or cpu.batch_size
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    data = CharDataModule(seq_len=args.seq_len, batch_size=args.batch_size)
-    windows = RandomWindows(data.train_ids, args.seq_len, args.batch_size, data.seed)
+    data = CharDataModule(seq_len=seq_len, batch_size=batch_size)
+    windows = RandomWindows(data.train_ids, seq_len, batch_size, data.seed)
     config = GPTConfig(
-        n_layer=args.layers,
-        n_head=args.heads,
-        n_embd=args.width,
-        vocab_size=data.vocab_size,
-        block_size=args.seq_len,
+        n_layer=layers, n_head=heads, n_embd=width, vocab_size=data.vocab_size, block_size=seq_len
     )
 
     def fresh_model() -> LitGPT:
@@ -109,34 +111,34 @@ def main() -> None:
 
     plain, lightning = [], []
     with tempfile.TemporaryDirectory() as log_dir:
-        for _ in range(args.repeats):
-            plain.append(plain_loop(fresh_model(), windows, args.steps, args.skip))
-            lightning.append(lightning_loop(fresh_model(), data, args.steps, args.skip, log_dir))
-    if args.json:
-        result = {
-            "model": {
-                "layers": args.layers,
-                "width": args.width,
-                "batch": args.batch_size,
-                "seq": args.seq_len,
-            },
-            "threads": torch.get_num_threads(),
-            "timed_steps": args.steps - args.skip,
-            "plain_ms_per_step": min(plain) * 1e3,
-            "lightning_ms_per_step": min(lightning) * 1e3,
-            "ratio": min(lightning) / min(plain),
-        }
-        print(json.dumps(result))
-        return
+        for _ in range(repeats):
+            plain.append(plain_loop(fresh_model(), windows, steps, skip))
+            lightning.append(lightning_loop(fresh_model(), data, steps, skip, log_dir))
+    result = {
+        "model": {"layers": layers, "width": width, "batch": batch_size, "seq": seq_len},
+        "threads": torch.get_num_threads(),
+        "timed_steps": steps - skip,
+        "plain_ms_per_step": min(plain) * 1e3,
+        "lightning_ms_per_step": min(lightning) * 1e3,
+        "ratio": min(lightning) / min(plain),
+    }
+    if json:
+        print(dumps(result))
+    else:
+        report(result, plain, lightning, repeats)
+
+
+def report(result: dict, plain: list[float], lightning: list[float], repeats: int) -> None:
+    model = result["model"]
     print(
-        f"model: {args.layers} blocks, width {args.width}, batch {args.batch_size}x{args.seq_len}, "
-        f"{torch.get_num_threads()} threads, {args.steps - args.skip} timed steps x {args.repeats} repeats"
+        f"model: {model['layers']} blocks, width {model['width']}, batch {model['batch']}x{model['seq']}, "
+        f"{result['threads']} threads, {result['timed_steps']} timed steps x {repeats} repeats"
     )
     for name, times in (("plain torch loop", plain), ("Lightning", lightning)):
         every = ", ".join(f"{t * 1e3:.1f}" for t in times)
         print(f"{name + ':':18} {min(times) * 1e3:.1f} ms/step (each repeat: {every})")
-    print(f"ratio Lightning / plain: {min(lightning) / min(plain):.3f} (target <= 1.05)")
+    print(f"ratio Lightning / plain: {result['ratio']:.3f} (target <= 1.05)")
 
 
 if __name__ == "__main__":
-    main()
+    flags.call(main)

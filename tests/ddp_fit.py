@@ -15,7 +15,7 @@ import torch
 
 from lab.config import GPTConfig
 from lab.data import CharDataModule
-from lab.train import STREAM_TRAINER_ARGS, LitGPT
+from lab.train import LitGPT, make_trainer
 
 
 class SeenBatches(L.Callback):
@@ -42,21 +42,7 @@ def main(out: Path, text_file: str) -> None:
 
     lit.model.forward = poisoned
     seen = SeenBatches()
-    trainer = L.Trainer(
-        **STREAM_TRAINER_ARGS,
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=5,
-        val_check_interval=5,
-        num_sanity_val_steps=0,
-        gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[seen],
-    )
+    trainer = make_trainer(5, accelerator="cpu", devices=2, strategy="ddp", callbacks=[seen])
     trainer.fit(lit, CharDataModule(paths=[text_file], seq_len=16, batch_size=4, val_batches=2))
     state = {
         "batches": seen.batches,

@@ -79,3 +79,22 @@ def test_text_needs_gpt2_vocabulary():
         bus.main(
             ["bus", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--vocab-size", "64", "--no-plot"]
         )
+
+
+def test_random_weights_in_another_dtype(capsys):
+    argv = [
+        "bus",
+        "--n-layer",
+        "2",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--block-size",
+        "32",
+        "--tokens",
+        "32",
+    ]
+    assert bus.main([*argv, "--dtype", "bfloat16", "--no-plot", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"].endswith("random weights (seed 0, bfloat16)") and len(report["rows"]) == 2

@@ -99,3 +99,16 @@ def test_default_text_is_held_out_standard_library_source():
     assert ids == tokens.encode(first.read_text(encoding="utf-8"))[:64]
     held_out = set(held_out_stdlib_files())
     assert first == stdlib_files()[0] and len(held_out) == len(stdlib_files()[::20])
+
+
+def test_depth_in_int4_counts_the_same_block_parameters(capsys):
+    argv = ["depth", "--stacks", "1x32", "2x32", "--baseline", "1x32", "--vocab-size", "64", "--prompt", "4"]
+    argv += ["--new", "3", "--repeats", "1", "--no-plot", "--json"]
+    counts = {}
+    for dtype in ("float32", "int4"):
+        assert depth.main([*argv, "--dtype", dtype]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["dtype"] == dtype
+        counts[dtype] = [(r["block_params"], r["total_params"]) for r in report["rows"]]
+    assert counts["int4"] == counts["float32"]
+    assert counts["float32"][1][0] == 2 * (12 * 32**2 + 13 * 32)

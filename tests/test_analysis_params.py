@@ -87,3 +87,17 @@ def test_main_all_and_llama(capsys):
     assert names == list(DESIGNS)
     params.main(["params", "--config", "llama3.1-8b"])
     assert "untied" in capsys.readouterr().out
+
+
+def test_a_quantized_model_counts_as_the_weights_it_stands_for(tmp_path, capsys):
+    """--dtype int4 stores the linear layers in buffers: the count is still the float model's."""
+    from lab.weights import save_model
+
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
+    save_model(GPT(cfg).eval(), tmp_path / "tiny")
+    counts = {}
+    for dtype in ("float32", "int4"):
+        assert params.main(["params", "--model", str(tmp_path / "tiny"), "--dtype", dtype, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        counts[dtype] = [row["counted"] for row in report["block"] + report["model"]], report["total_counted"]
+    assert counts["int4"] == counts["float32"] and counts["float32"][1] == GPT(cfg).num_params()

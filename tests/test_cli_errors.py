@@ -130,6 +130,27 @@ def test_traffic(capsys, files):
         traffic.read_prompts(files / "empty.txt", 4)
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["stall", "--preset", "tpu"], "Got value: tpu"),
+        (["stall", "--steps", "many"], 'Parser key "steps": Expected a <class \'int\'>. Got value: many'),
+        (["stall", "--grid", "betas=1,2"], "grid axis 'betas=1,2'"),
+        (["stall", "--config", MISSING], f"{MISSING}"),
+        (["shapes", "--n-layer", "two"], 'Parser key "n_layer"'),
+        (["shapes", "--n-embd", "30", "--n-head", "4"], "n_embd (30) must be divisible by n_head (4)"),
+        (["flops", "--T", "256", "x", "--no-plot"], "Got value: x"),
+        (["ablate", "--mode", "both-ways"], 'Parser key "mode"'),
+        (["cost", "--gpu", "TPU"], 'Parser key "gpu"'),
+        (["depth", "--baseline", "3x3"], "--baseline 3x3 is not among --stacks"),
+        (["params", "--dtype", "int3"], 'Parser key "dtype"'),
+        (["timing", "--unknown"], "unrecognized arguments: --unknown"),
+    ],
+)
+def test_a_bad_flag_of_the_lab_or_the_measurements(capsys, files, argv, message):
+    assert message in one_line_error(capsys, argv)
+
+
 @pytest.mark.parametrize("command", ["fit", "validate"])
 def test_training_with_a_missing_config(capsys, files, command):
     line = one_line_error(capsys, [command, "--config", f"{MISSING}.yaml"])

@@ -14,7 +14,7 @@ from lab import cli
 from lab.config import GPTConfig
 from lab.data import CharDataModule
 from lab.gradients import grad_norms_at_init
-from lab.train import STREAM_TRAINER_ARGS, LitGPT, learning_rate, main
+from lab.train import LitGPT, learning_rate, main, make_trainer
 
 TINY_MODEL = ["--model.config.n_layer", "2", "--model.config.n_head", "2", "--model.config.n_embd", "16"]
 TINY_DATA = ["--model.config.block_size", "16", "--data.seq_len", "16", "--data.batch_size", "4"]
@@ -55,18 +55,7 @@ def tiny_fit_args(run_dir: Path, text_file: str, *extra: str) -> list[str]:
 
 
 def tiny_trainer(tmp_path: Path, steps: int, **kwargs) -> L.Trainer:
-    return L.Trainer(
-        **STREAM_TRAINER_ARGS,
-        max_steps=steps,
-        val_check_interval=steps,
-        num_sanity_val_steps=0,
-        gradient_clip_val=1.0,
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    return make_trainer(steps, default_root_dir=tmp_path, **kwargs)
 
 
 def tiny_data(text_file: str) -> CharDataModule:

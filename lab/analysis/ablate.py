@@ -14,7 +14,10 @@ the uniform guess ln(V); relative change = (loss - intact) / intact.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
+from lab import flags
 from lab.analysis import common
 from lab.blocks import BlockSet
 from lab.generate import score
@@ -82,13 +85,25 @@ def plot(report: dict, args) -> str | None:
     return common.save_figure(fig, args)
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "Loss with each block skipped or overwriting the stream.")
+@dataclass
+class AblateOptions:
+    """The ablation."""
+
+    mode: Literal["skip", "overwrite", "both"] = "both"
+    """Skip each block, let each overwrite the stream, or both."""
+
+
+def parser() -> flags.Parser:
+    p = common.parser("ablate", "Loss with each block skipped or overwriting the stream.")
     common.add_model_args(p)
     common.add_text_args(p, tokens=512)
-    p.add_argument("--mode", choices=MODES, default="both", help="which ablation (default: %(default)s)")
+    p.add_options(AblateOptions)
     common.add_output_args(p, plot="ablate.png")
-    args = p.parse_args(argv[1:])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
 
     model, name = common.load_model_from_args(args)
     ids, text = common.text_tokens(args, model)

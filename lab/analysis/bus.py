@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lab import flags
 from lab.analysis import common
 from lab.hooks import capture
 from lab.model import GPT, NORM_FIRST
@@ -146,12 +147,16 @@ def plot(report: dict, args) -> str | None:
     return common.save_figure(fig, args)
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "Residual-stream norms and each stage's write along the stack.")
+def parser() -> flags.Parser:
+    p = common.parser("bus", "Residual-stream norms and each stage's write along the stack.")
     common.add_model_args(p)
     common.add_text_args(p)
     common.add_output_args(p, plot="bus.png")
-    args = p.parse_args(argv[1:])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
 
     model, name = common.load_model_from_args(args)
     ids, text = common.text_tokens(args, model)

@@ -1,112 +1,197 @@
-"""What every measurement command shares: its arguments, the model and text it reads, and its output.
+"""What every measurement command shares: its options, the model and text it reads, and its output.
 
 Each command prints a markdown table (paste it into a README as is) or, with ``--json``, one JSON
 object on stdout; commands that draw write a PNG (``--out``, default under ``runs/analysis/``).
 
-Models come from a spec (``--model builtin|gpt2-random|HUB_ID|DIR|CKPT``, through
-``lab.weights.load_model``) or from a config alone (``--config gpt2 --n-layer 2 ...``, random weights),
+Models come from a spec (``--model builtin|gpt2-random|HUB_ID|DIR|CKPT`` in ``--dtype``, through
+``lab.quantize.load``) or from a config alone (``--config gpt2 --n-layer 2 ...``, random weights),
 since counting parameters, FLOPs or time needs shapes, not trained weights.
+
+A command's flags are the fields of the option dataclasses below and of its own (``lab.flags``): the
+field's docstring is its ``--help``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import os
 import statistics
 import sys
-import typing
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from lab.analysis.designs import DESIGNS, Design
 from lab.config import PRESETS, GPTConfig
 from lab.errors import UserError
+from lab.flags import Namespace, Parser
 from lab.model import GPT
+from lab.quantize import WEIGHT_DTYPES
 
 RUNS_DIR = Path("runs") / "analysis"
 """Default folder of the PNGs, relative to the working directory (never inside the package)."""
 
+Preset = Literal[tuple(PRESETS)]
+"""The GPT-2 presets of ``lab.config``, which ``lab.model.GPT`` builds."""
+DesignName = Literal[tuple(DESIGNS)]
+"""Every design ``lab.analysis.designs`` counts, the GPT-2 presets and ones blocklab cannot build."""
+WeightDtype = Literal[WEIGHT_DTYPES]
+
 
 # ---------------------------------------------------------------------------------------------------
-# Arguments
+# Options
 
 
-def parser(command: str, description: str) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=f"blocklab {command}", description=description)
+@dataclass
+class Output:
+    """What the command prints."""
+
+    json: bool = False
+    """Print one JSON object instead of tables."""
 
 
-def add_output_args(p: argparse.ArgumentParser, *, plot: str | None = None) -> None:
+@dataclass
+class Plot:
+    """The picture."""
+
+    out: Path = RUNS_DIR / "plot.png"
+    """Where to write the PNG."""
+    no_plot: bool = False
+    """Do not write the PNG."""
+
+
+@dataclass
+class PresetConfig:
+    """The model's shapes."""
+
+    config: Preset = "gpt2"
+    """Preset whose shapes to use; the GPTConfig flags below override its fields."""
+
+
+@dataclass
+class DesignConfig:
+    """The model's shapes."""
+
+    config: DesignName = "gpt2"
+    """Design whose shapes to use (the GPT-2 presets take the GPTConfig flags below as overrides)."""
+
+
+@dataclass
+class DesignModel:
+    """Or a model's shapes."""
+
+    model: str | None = None
+    """Use the shapes of a model blocklab loads (builtin, gpt2-random, HUB_ID, DIR, CKPT)."""
+    dtype: WeightDtype = "float32"
+    """The --model's weights' type: float32, bfloat16, float16, or weight-only int8 / int4."""
+
+
+@dataclass
+class ModelSpec:
+    """The model."""
+
+    model: str | None = None
+    """builtin | gpt2-random | HUB_ID | DIR | CKPT (default: builtin if created, else gpt2-random)."""
+    dtype: WeightDtype = "float32"
+    """The weights' type: float32, bfloat16, float16, or weight-only int8 / int4 (lab.quantize)."""
+
+
+@dataclass
+class RandomWeights:
+    """Or random weights."""
+
+    config: Preset | None = None
+    """Instead of --model: random weights in this preset's shapes, overridden by the GPTConfig flags."""
+    seed: int = 0
+    """Seed of the random weights when --config is given."""
+
+
+@dataclass
+class Text:
+    """The text."""
+
+    text: Path | None = None
+    """UTF-8 text file (default: standard-library source the builtin model never trained on)."""
+    tokens: int = 1024
+    """Use the first N tokens of the text, at most the model's context."""
+
+
+def parser(command: str, description: str) -> Parser:
+    """The parser of ``blocklab command``, before its options are added (``add_*_args``, ``add_options``)."""
+    return Parser(f"blocklab {command}", description)
+
+
+def add_output_args(p: Parser, *, plot: str | None = None) -> None:
     """``--json``; and ``--out``/``--no-plot`` for a command that draws ``plot`` (its default file name)."""
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_options(Output)
     if plot is not None:
-        p.add_argument("--out", type=Path, default=RUNS_DIR / plot, help="PNG path (default: %(default)s)")
-        p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+        p.add_options(Plot, out=RUNS_DIR / plot)
 
 
-def add_config_args(
-    p: argparse.ArgumentParser,
-    *,
-    default: str | None = "gpt2",
-    choices: Sequence[str] = tuple(PRESETS),
-    exclude: Sequence[str] = (),
-) -> None:
-    """``--config PRESET`` plus one ``--field`` override per ``GPTConfig`` field (``--n-layer 2``),
-    except the fields in ``exclude`` (a command that sets them itself)."""
-    p.add_argument(
-        "--config",
-        default=default,
-        choices=list(choices),
-        help="preset whose shapes to use (default: %(default)s)",
-    )
-    hints = typing.get_type_hints(GPTConfig)
-    group = p.add_argument_group("config overrides (GPTConfig fields)")
-    for field in dataclasses.fields(GPTConfig):
-        if field.name in exclude:
-            p.set_defaults(**{field.name: None})
-            continue
-        hint = hints[field.name]
-        flag = "--" + field.name.replace("_", "-")
-        if typing.get_origin(hint) is typing.Literal:
-            group.add_argument(flag, dest=field.name, choices=typing.get_args(hint), default=None)
-        elif hint is bool:
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None)
-        else:
-            group.add_argument(flag, dest=field.name, type=hint, default=None)
+def add_config_args(p: Parser, options: type = PresetConfig, *, exclude: Sequence[str] = ()) -> None:
+    """``--config NAME`` (the field of ``options``) plus one flag per ``GPTConfig`` field that overrides
+    it (``--n-layer 2``), except the fields in ``exclude`` (a command that sets them itself)."""
+    p.add_options(options)
+    fields = [field.name for field in dataclasses.fields(GPTConfig) if field.name not in exclude]
+    p.add_options(GPTConfig, skip=exclude, **dict.fromkeys(fields))  # None: not given
 
 
-def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``GPTConfig`` fields given on the command line."""
+def add_design_args(p: Parser) -> None:
+    """``--config DESIGN`` with GPTConfig overrides, or ``--model SPEC --dtype D`` for its shapes."""
+    add_config_args(p, DesignConfig)
+    p.add_options(DesignModel)
+
+
+def design_from_args(args: Namespace) -> tuple[Design, GPT | None]:
+    """The design the arguments name and, where blocklab can build it, a model of it: ``--model`` (loaded
+    in ``--dtype``), a GPT-2 preset with its overrides (on the meta device: shapes only, no memory), or
+    a design by name alone (formula only: no model)."""
+    if args.model is not None:
+        model = load_model(args.model, args.dtype)
+        return Design.from_config(model.config, args.model), model
+    if args.config in PRESETS:
+        cfg = config_from_args(args)
+        with torch.device("meta"):  # no memory, no initialisation
+            model = GPT(cfg)
+        source = DESIGNS[args.config].source if not config_overrides(args) else "GPTConfig"
+        return Design.from_config(cfg, config_name(args), source), model
+    if config_overrides(args):
+        raise UserError(f"{args.config}: GPTConfig overrides apply to the GPT-2 presets only")
+    return DESIGNS[args.config], None
+
+
+def add_model_args(p: Parser) -> None:
+    """``--model SPEC --dtype D`` or a config with random weights; default: builtin if created, else
+    gpt2-random."""
+    p.add_options(ModelSpec)
+    add_config_args(p, RandomWeights)
+
+
+def config_overrides(args: Namespace, exclude: Sequence[str] = ()) -> dict[str, Any]:
+    """The ``GPTConfig`` fields given on the command line (``exclude``: as in ``add_config_args``)."""
     return {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(GPTConfig)
-        if getattr(args, f.name) is not None
+        if f.name not in exclude and getattr(args, f.name, None) is not None
     }
 
 
-def config_from_args(args: argparse.Namespace) -> GPTConfig:
-    return GPTConfig.from_name(args.config, **config_overrides(args))
+def config_from_args(args: Namespace, exclude: Sequence[str] = ()) -> GPTConfig:
+    try:
+        return GPTConfig.from_name(args.config, **config_overrides(args, exclude))
+    except ValueError as error:  # GPTConfig's own checks, e.g. n_embd divisible by n_head
+        raise UserError(str(error)) from None
 
 
-def config_name(args: argparse.Namespace) -> str:
+def config_name(args: Namespace, exclude: Sequence[str] = ()) -> str:
     """The preset and its overrides, e.g. ``gpt2 (n_layer=2, n_embd=32)``."""
-    overrides = [f"{name}={value}" for name, value in config_overrides(args).items()]
+    overrides = [f"{name}={value}" for name, value in config_overrides(args, exclude).items()]
     return args.config + (f" ({', '.join(overrides)})" if overrides else "")
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """``--model SPEC`` or a config with random weights; default: builtin if created, else gpt2-random."""
-    p.add_argument(
-        "--model",
-        default=None,
-        help="builtin | gpt2-random | HUB_ID | DIR | CKPT (default: builtin if created, else gpt2-random)",
-    )
-    add_config_args(p, default=None)
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights when --config is given")
 
 
 def default_model_spec() -> str:
@@ -117,7 +202,38 @@ def default_model_spec() -> str:
     return "builtin" if (builtin_source() / FORMAT_FILE).exists() else "gpt2-random"
 
 
-def load_model_from_args(args: argparse.Namespace) -> tuple[GPT, str]:
+def load_model(spec: str, dtype: str = "float32") -> GPT:
+    """The model ``spec`` names, its weights in ``dtype``."""
+    from lab.quantize import load
+
+    return load(spec, dtype)
+
+
+def in_dtype(model: GPT, dtype: str) -> GPT:
+    """``model`` with its weights in ``dtype``, as ``load_model`` gives them."""
+    from lab.quantize import quantize
+
+    return quantize(model, dtype) if dtype in ("int8", "int4") else model.to(getattr(torch, dtype))
+
+
+def weights(*modules: torch.nn.Module) -> int:
+    """The parameters of ``modules``; a quantized linear layer (``lab.quantize``) keeps its weights in
+    buffers and counts as the matrix and bias it stands for."""
+    from lab.quantize import QuantizedLinear
+
+    quantized = [q for m in modules for q in m.modules() if isinstance(q, QuantizedLinear)]
+    stood_for = sum(q.in_features * q.out_features + (q.out_features if q.bias is not None else 0)
+                    for q in quantized)  # fmt: skip
+    return sum(p.numel() for m in modules for p in m.parameters()) + stood_for
+
+
+def total_weights(model: GPT) -> int:
+    """``GPT.num_params`` in any ``--dtype``: the tied table once, though a quantized model reads out
+    through a copy of it (``model.read_out``)."""
+    return weights(model) - (weights(model.read_out) if model.read_out is not None else 0)
+
+
+def load_model_from_args(args: Namespace) -> tuple[GPT, str]:
     """The model the arguments name and a description of it for the report."""
     if args.config is not None or config_overrides(args):
         if args.model is not None:
@@ -126,13 +242,13 @@ def load_model_from_args(args: argparse.Namespace) -> tuple[GPT, str]:
         cfg = config_from_args(args)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
-            model = GPT(cfg).eval()
-        return model, f"{config_name(args)}, random weights (seed {args.seed})"
-    from lab.weights import load_model
-
+            model = in_dtype(GPT(cfg).eval(), args.dtype)
+        dtype = "" if args.dtype == "float32" else f", {args.dtype}"
+        return model, f"{config_name(args)}, random weights (seed {args.seed}{dtype})"
     spec = args.model or default_model_spec()
     chosen = "" if args.model else " (default: builtin if created, else gpt2-random)"
-    return load_model(spec), spec + chosen
+    dtype = "" if args.dtype == "float32" else f" in {args.dtype}"
+    return load_model(spec, args.dtype), spec + dtype + chosen
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -155,22 +271,11 @@ def held_out_source(chars: int) -> tuple[str, str]:
     return "".join(parts), ", ".join(names)
 
 
-def add_text_args(p: argparse.ArgumentParser, *, tokens: int = 1024) -> None:
-    p.add_argument(
-        "--text",
-        type=Path,
-        default=None,
-        help="UTF-8 text file (default: standard-library source the builtin model never trained on)",
-    )
-    p.add_argument(
-        "--tokens",
-        type=int,
-        default=tokens,
-        help="use the first N tokens of the text, at most the model's context (default: %(default)s)",
-    )
+def add_text_args(p: Parser, *, tokens: int = 1024) -> None:
+    p.add_options(Text, tokens=tokens)
 
 
-def text_tokens(args: argparse.Namespace, model: GPT) -> tuple[list[int], str]:
+def text_tokens(args: Namespace, model: GPT) -> tuple[list[int], str]:
     """The first ``--tokens`` GPT-2 tokens of the text (capped at the context) and where they came from."""
     from lab import tokens
 
@@ -245,7 +350,7 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([line(columns), rule, *(line(r) for r in cells)])
 
 
-def emit(args: argparse.Namespace, report: dict[str, Any], text: str) -> None:
+def emit(args: Namespace, report: dict[str, Any], text: str) -> None:
     """Print ``report`` as JSON with ``--json``, else the human-readable ``text``."""
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
@@ -254,7 +359,7 @@ def emit(args: argparse.Namespace, report: dict[str, Any], text: str) -> None:
         print(text)
 
 
-def save_figure(fig, args: argparse.Namespace) -> str | None:
+def save_figure(fig, args: Namespace) -> str | None:
     """Write ``fig`` to ``--out`` unless ``--no-plot``; returns the path written."""
     import matplotlib.pyplot as plt
 

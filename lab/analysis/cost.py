@@ -20,10 +20,12 @@ on 8 GPUs) = 491,520 tokens per iteration, 600,000 iterations.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
+from lab import flags
 from lab.analysis import common
-from lab.analysis.designs import DESIGNS, Design
-from lab.config import PRESETS
-from lab.errors import UserError
+from lab.analysis.designs import Design
 
 PEAK_TFLOPS: dict[str, float] = {
     "A100": 312.0,
@@ -34,6 +36,7 @@ PEAK_TFLOPS: dict[str, float] = {
 }
 """Dense bf16 tensor-core peaks, TFLOP/s, from NVIDIA's datasheets (no sparsity; the RTX 4090's is with
 fp32 accumulation). Override with --peak."""
+Accelerator = Literal[tuple(PEAK_TFLOPS)]
 
 
 def training_flops(design: Design, seq_len: int, tokens: int) -> dict[str, float]:
@@ -106,86 +109,100 @@ def render(report: dict) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "Training cost 6ND (+ attention) in FLOPs, hours and MFU.")
-    p.add_argument("--model", default=None, help="use the shapes of a model blocklab loads")
-    common.add_config_args(p, default="gpt2", choices=DESIGNS)
-    p.add_argument(
-        "--batch-size", type=int, default=12, help="sequences per micro-batch (default: %(default)s)"
-    )
-    p.add_argument(
-        "--seq-len", type=int, default=1024, help="training sequence length T (default: %(default)s)"
-    )
-    p.add_argument(
-        "--grad-accum", type=int, default=40, help="micro-batches per iteration, all GPUs (default: 40)"
-    )
-    p.add_argument("--tokens-per-iter", type=int, default=None, help="override batch x seq-len x grad-accum")
-    p.add_argument("--iters", type=int, default=600_000, help="iterations (default: %(default)s)")
-    p.add_argument(
-        "--gpu", choices=PEAK_TFLOPS, default="A100", help="accelerator of --step-time (default: A100)"
-    )
-    p.add_argument("--gpus", type=int, default=8, help="accelerators (default: %(default)s)")
-    p.add_argument("--peak", type=float, default=None, help="override --gpu's peak, TFLOP/s")
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed utilisation for the hours (default: 0.4)")
-    p.add_argument("--step-time", type=float, default=None, help="measured seconds per iteration -> MFU")
-    common.add_output_args(p)
-    args = p.parse_args(argv[1:])
+@dataclass
+class TrainingRun:
+    """The run."""
 
-    if args.model is not None:
-        from lab.weights import load_model
+    batch_size: int = 12
+    """Sequences per micro-batch."""
+    seq_len: int = 1024
+    """Training sequence length T."""
+    grad_accum: int = 40
+    """Micro-batches per iteration, all GPUs."""
+    tokens_per_iter: int | None = None
+    """Override batch x seq-len x grad-accum."""
+    iters: int = 600_000
+    """Iterations."""
+    gpu: Accelerator = "A100"
+    """Accelerator of --step-time."""
+    gpus: int = 8
+    """Accelerators."""
+    peak: float | None = None
+    """Override --gpu's peak, TFLOP/s."""
+    mfu: float = 0.4
+    """Assumed utilisation for the hours."""
+    step_time: float | None = None
+    """Measured seconds per iteration -> MFU."""
 
-        design = Design.from_config(load_model(args.model).config, args.model)
-    elif args.config in PRESETS:
-        design = Design.from_config(common.config_from_args(args), common.config_name(args))
-    else:
-        if common.config_overrides(args):
-            raise UserError(f"{args.config}: GPTConfig overrides apply to the GPT-2 presets only")
-        design = DESIGNS[args.config]
-    tokens_per_iter = args.tokens_per_iter or args.batch_size * args.seq_len * args.grad_accum
-    tokens = tokens_per_iter * args.iters
-    flops = training_flops(design, args.seq_len, tokens)
+
+def accelerator_hours(flops: dict[str, float], peak: float, run: TrainingRun) -> dict[str, float]:
+    """GPU-hours (what a run costs, whatever the GPU count) and wall hours on ``run.gpus`` of them."""
+    return {
+        "gpu_hours_peak_6ND": hours(flops["C_6ND"], peak, 1),
+        "gpu_hours_peak_total": hours(flops["C_total"], peak, 1),
+        "gpu_hours_mfu": hours(flops["C_total"], peak, 1, run.mfu),
+        "hours_peak_6ND": hours(flops["C_6ND"], peak, run.gpus),
+        "hours_peak_total": hours(flops["C_total"], peak, run.gpus),
+        "hours_mfu": hours(flops["C_total"], peak, run.gpus, run.mfu),
+    }
+
+
+def measured_mfu(flops: dict[str, float], tokens_per_iter: int, peak: float, run: TrainingRun) -> dict:
+    """MFU of ``run.step_time`` seconds per iteration on ``run.gpus`` x ``run.gpu``, with and without
+    attention's term."""
+    per_iter = (flops["per_token_6N"] + flops["per_token_attention"]) * tokens_per_iter
+    return {
+        "name": run.gpu,
+        "gpus": run.gpus,
+        "peak_tflops": peak,
+        "step_seconds": run.step_time,
+        "flops_per_iter": per_iter,
+        "mfu": mfu_from_step(per_iter, run.step_time, peak, run.gpus),
+        "mfu_6N": mfu_from_step(flops["per_token_6N"] * tokens_per_iter, run.step_time, peak, run.gpus),
+    }
+
+
+def cost_report(design: Design, run: TrainingRun) -> dict:
+    """The FLOPs of ``run`` on ``design``, the hours on every accelerator, and the MFU of a measured step."""
+    tokens_per_iter = run.tokens_per_iter or run.batch_size * run.seq_len * run.grad_accum
+    tokens = tokens_per_iter * run.iters
+    flops = training_flops(design, run.seq_len, tokens)
     peaks = dict(PEAK_TFLOPS)
-    if args.peak is not None:
-        peaks[args.gpu] = args.peak
+    if run.peak is not None:
+        peaks[run.gpu] = run.peak
     accelerators = [
-        {
-            "name": name,
-            "peak_tflops": peak,
-            "gpus": args.gpus,
-            # GPU-hours (what a run costs, whatever the GPU count) and wall hours on --gpus of them
-            "gpu_hours_peak_6ND": hours(flops["C_6ND"], peak, 1),
-            "gpu_hours_peak_total": hours(flops["C_total"], peak, 1),
-            "gpu_hours_mfu": hours(flops["C_total"], peak, 1, args.mfu),
-            "hours_peak_6ND": hours(flops["C_6ND"], peak, args.gpus),
-            "hours_peak_total": hours(flops["C_total"], peak, args.gpus),
-            "hours_mfu": hours(flops["C_total"], peak, args.gpus, args.mfu),
-        }
+        {"name": name, "peak_tflops": peak, "gpus": run.gpus, **accelerator_hours(flops, peak, run)}
         for name, peak in peaks.items()
     ]
     report = {
         "design": design.name,
         "L": design.n_layer,
         "d": design.d_model,
-        "seq_len": args.seq_len,
+        "seq_len": run.seq_len,
         "tokens_per_iter": tokens_per_iter,
-        "iters": args.iters,
+        "iters": run.iters,
         "tokens": tokens,
         "flops": flops,
-        "mfu": args.mfu,
+        "mfu": run.mfu,
         "accelerators": accelerators,
     }
-    if args.step_time is not None:
-        per_iter = (flops["per_token_6N"] + flops["per_token_attention"]) * tokens_per_iter
-        report["measured_mfu"] = {
-            "name": args.gpu,
-            "gpus": args.gpus,
-            "peak_tflops": peaks[args.gpu],
-            "step_seconds": args.step_time,
-            "flops_per_iter": per_iter,
-            "mfu": mfu_from_step(per_iter, args.step_time, peaks[args.gpu], args.gpus),
-            "mfu_6N": mfu_from_step(
-                flops["per_token_6N"] * tokens_per_iter, args.step_time, peaks[args.gpu], args.gpus
-            ),
-        }
+    if run.step_time is not None:
+        report["measured_mfu"] = measured_mfu(flops, tokens_per_iter, peaks[run.gpu], run)
+    return report
+
+
+def parser() -> flags.Parser:
+    p = common.parser("cost", "Training cost 6ND (+ attention) in FLOPs, hours and MFU.")
+    common.add_design_args(p)
+    p.add_options(TrainingRun)
+    common.add_output_args(p)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
+
+    design, _ = common.design_from_args(args)
+    report = cost_report(design, flags.options(TrainingRun, args))
     common.emit(args, report, render(report))
     return 0

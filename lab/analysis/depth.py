@@ -18,16 +18,18 @@ run in turn within each repeat, so load hits them alike; the ratios to the basel
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
+from lab import flags
 from lab.analysis import common
 from lab.config import GPT2_VOCAB_SIZE, GPTConfig
 from lab.errors import UserError
 from lab.generate import generate
 from lab.model import GPT
 
-DEFAULT_STACKS = ["6x1088", "12x768", "24x544", "48x384"]
+DEFAULT_STACKS = ("6x1088", "12x768", "24x544", "48x384")
 
 
 def heads_for(d: int, head_size: int) -> int:
@@ -75,12 +77,19 @@ def build(n_layer: int, d: int, n_head: int, vocab_size: int, context: int) -> G
 
 
 def depth_report(
-    stacks: list[str], baseline: str, head_size: int, vocab_size: int, prompt_len: int, new: int, repeats: int
+    stacks: list[str],
+    baseline: str,
+    head_size: int,
+    vocab_size: int,
+    prompt_len: int,
+    new: int,
+    repeats: int,
+    dtype: str = "float32",
 ) -> dict:
     load_before = common.load_average()
     shapes = [parse_stack(s) for s in stacks]
     models = {
-        s: build(L, d, heads_for(d, head_size), vocab_size, prompt_len + new)
+        s: common.in_dtype(build(L, d, heads_for(d, head_size), vocab_size, prompt_len + new), dtype)
         for s, (L, d) in zip(stacks, shapes, strict=True)
     }
     prompt = torch.randint(0, vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -94,7 +103,7 @@ def depth_report(
     rows = []
     for s, model in models.items():
         cfg = model.config
-        block_params = sum(p.numel() for p in model.blocks.parameters())
+        block_params = common.weights(model.blocks)
         totals = [b + u for b, u in zip(blocks[s], unembed[s], strict=True)]
         rows.append(
             {
@@ -104,7 +113,7 @@ def depth_report(
                 "n_head": cfg.n_head,
                 "head_size": cfg.head_dim,
                 "block_params": block_params,
-                "total_params": model.num_params(),
+                "total_params": common.total_weights(model),
                 "ms_per_token": common.median_ms(totals),
                 "blocks_ms": common.median_ms(blocks[s]),
                 "unembed_ms": common.median_ms(unembed[s]),
@@ -122,6 +131,7 @@ def depth_report(
         "samples_per_stack": len(blocks[baseline]),
         "threads": torch.get_num_threads(),
         "vocab_size": vocab_size,
+        "dtype": dtype,
         "load_average": [load_before, common.load_average()],
         "rows": rows,
     }
@@ -143,11 +153,12 @@ def render(report: dict) -> str:
         ]  # fmt: skip
         for r in report["rows"]
     ]
+    weights = "random weights" + ("" if report["dtype"] == "float32" else f" in {report['dtype']}")
     out = [
         f"depth: batch-1 decode with a KV cache, prompt {report['prompt']} tokens, "
         f"{report['new_tokens']} new; "
         f"median over {report['samples_per_stack']} decode steps ({report['repeats']} repeats), "
-        f"{report['threads']} threads, V={report['vocab_size']}, random weights; "
+        f"{report['threads']} threads, V={report['vocab_size']}, {weights}; "
         f"load average {report['load_average'][0]} at start, {report['load_average'][1]} at end",
         "",
         common.table(columns, lines),
@@ -176,26 +187,54 @@ def plot(report: dict, args) -> str | None:
     return common.save_figure(fig, args)
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "Batch-1 decode latency of equal-parameter stacks of different depth.")
-    p.add_argument("--stacks", nargs="+", default=DEFAULT_STACKS, help="LxD stacks (default: %(default)s)")
-    p.add_argument("--baseline", default="12x768", help="stack the ratios are to (default: %(default)s)")
-    p.add_argument("--head-size", type=int, default=64, help="preferred head size (default: %(default)s)")
-    p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE, help="vocabulary (default: GPT-2's)")
-    p.add_argument("--prompt", type=int, default=16, help="prompt tokens (default: %(default)s)")
-    p.add_argument("--new", type=int, default=32, help="decoded tokens per run (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="decode runs per stack (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+@dataclass
+class DepthOptions:
+    """The stacks and the decode."""
+
+    stacks: tuple[str, ...] = DEFAULT_STACKS
+    """LxD stacks."""
+    baseline: str = "12x768"
+    """The stack the ratios are to."""
+    head_size: int = 64
+    """Preferred head size."""
+    vocab_size: int = GPT2_VOCAB_SIZE
+    """Vocabulary (default: GPT-2's)."""
+    prompt: int = 16
+    """Prompt tokens."""
+    new: int = 32
+    """Decoded tokens per run."""
+    repeats: int = 3
+    """Decode runs per stack."""
+    threads: int = 2
+    """Torch threads."""
+    dtype: common.WeightDtype = "float32"
+    """The weights' type: float32, bfloat16, float16, or weight-only int8 / int4."""
+
+
+def parser() -> flags.Parser:
+    p = common.parser("depth", "Batch-1 decode latency of equal-parameter stacks of different depth.")
+    p.add_options(DepthOptions)
     common.add_output_args(p, plot="depth.png")
-    args = p.parse_args(argv[1:])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
     if args.baseline not in args.stacks:
-        raise UserError(f"--baseline {args.baseline} is not among --stacks {args.stacks}")
+        raise UserError(f"--baseline {args.baseline} is not among --stacks {list(args.stacks)}")
     if args.new < 2:
         raise UserError("--new: need at least 2 tokens (the first comes from the prefill)")
 
     torch.set_num_threads(args.threads)
     report = depth_report(
-        args.stacks, args.baseline, args.head_size, args.vocab_size, args.prompt, args.new, args.repeats
+        list(args.stacks),
+        args.baseline,
+        args.head_size,
+        args.vocab_size,
+        args.prompt,
+        args.new,
+        args.repeats,
+        args.dtype,
     )
     report["png"] = plot(report, args)
     common.emit(args, report, render(report))

@@ -22,15 +22,15 @@ counter misses attention's whole term.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from lab import flags
 from lab.analysis import common
-from lab.analysis.designs import DESIGNS, Design
-from lab.config import PRESETS, GPTConfig
-from lab.errors import UserError
+from lab.analysis.designs import Design
+from lab.config import GPTConfig
 from lab.model import GPT
 
 
@@ -182,34 +182,32 @@ def plot(design: Design, report: dict, args) -> str | None:
     return common.save_figure(fig, args)
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "Forward FLOPs per token: 2N + 4·L·T·d, beside torch's FLOP counter.")
-    p.add_argument("--model", default=None, help="use the shapes of a model blocklab loads")
-    common.add_config_args(p, default="gpt2", choices=DESIGNS)
-    p.add_argument(
-        "--T", type=int, nargs="+", default=[256, 1024], help="positions attended to (default: %(default)s)"
-    )
-    p.add_argument(
-        "--no-count", action="store_true", help="formula only: skip the FLOP counter's forward passes"
-    )
-    p.add_argument("--device", default="cpu", help="where the counted forward passes run (default: cpu)")
+@dataclass
+class FlopsOptions:
+    """What to count."""
+
+    T: tuple[int, ...] = (256, 1024)
+    """Positions attended to."""
+    no_count: bool = False
+    """Formula only: skip the FLOP counter's forward passes."""
+    device: str = "cpu"
+    """Where the counted forward passes run."""
+
+
+def parser() -> flags.Parser:
+    p = common.parser("flops", "Forward FLOPs per token: 2N + 4·L·T·d, beside torch's FLOP counter.")
+    common.add_design_args(p)
+    p.add_options(FlopsOptions)
     common.add_output_args(p, plot="flops.png")
-    args = p.parse_args(argv[1:])
+    return p
 
-    cfg = None
-    if args.model is not None:
-        from lab.weights import load_model
 
-        cfg = load_model(args.model).config
-        design = Design.from_config(cfg, args.model)
-    elif args.config in PRESETS:
-        cfg = common.config_from_args(args)
-        design = Design.from_config(cfg, common.config_name(args))
-    else:
-        if common.config_overrides(args):
-            raise UserError(f"{args.config}: GPTConfig overrides apply to the GPT-2 presets only")
-        design = DESIGNS[args.config]  # formula only: lab.model.GPT cannot build it
-    report = analyse(design, args.T, None if args.no_count else cfg, args.device)
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
+
+    design, model = common.design_from_args(args)
+    cfg = None if model is None or args.no_count else model.config
+    report = analyse(design, list(args.T), cfg, args.device)
     report["png"] = plot(design, report, args) if not args.no_plot else None
     common.emit(args, report, render(report))
     return 0

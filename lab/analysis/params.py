@@ -12,21 +12,17 @@ the table shows where they do not.
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
+from lab import flags
 from lab.analysis import common
 from lab.analysis.designs import DESIGNS, Design
-from lab.config import PRESETS
-from lab.errors import UserError
 from lab.model import GPT
 
 
 def counted(model: GPT) -> dict[str, int]:
     """Parameters of the instantiated modules, under the component names of ``Design``'s counts."""
-
-    def n(*modules: torch.nn.Module) -> int:
-        return sum(p.numel() for m in modules for p in m.parameters())
-
+    n = common.weights
     block = model.blocks[0]
     return {
         "attention": n(block.attn),
@@ -38,7 +34,7 @@ def counted(model: GPT) -> dict[str, int]:
         "position table": model.wpe.weight.numel(),
         "final norm": n(model.ln_f),
         "output head": 0,  # unembed() multiplies by wte.weight: no parameter of its own
-        "total": model.num_params(),
+        "total": common.total_weights(model),
     }
 
 
@@ -154,33 +150,30 @@ def compare(designs: list[Design]) -> tuple[list[dict], str]:
     return rows, common.table(columns, lines)
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "Parameters by component, with the formula beside each count.")
-    p.add_argument("--model", default=None, help="count a model blocklab loads (builtin, HUB_ID, DIR, CKPT)")
-    common.add_config_args(p, default="gpt2", choices=DESIGNS)
-    p.add_argument("--all", action="store_true", help="compare every preset design in one table")
+@dataclass
+class ParamsOptions:
+    """What to count."""
+
+    all: bool = False
+    """Compare every preset design in one table."""
+
+
+def parser() -> flags.Parser:
+    p = common.parser("params", "Parameters by component, with the formula beside each count.")
+    common.add_design_args(p)
+    p.add_options(ParamsOptions)
     common.add_output_args(p)
-    args = p.parse_args(argv[1:])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
 
     if args.all:
         rows, text = compare(list(DESIGNS.values()))
         common.emit(args, {"designs": rows}, text)
         return 0
-    overrides = common.config_overrides(args)
-    if args.model is not None:
-        from lab.weights import load_model
-
-        model = load_model(args.model)
-        report = describe(Design.from_config(model.config, args.model), model)
-    elif args.config in PRESETS:
-        cfg = common.config_from_args(args)
-        with torch.device("meta"):  # shapes only: no memory, no initialisation
-            model = GPT(cfg)
-        source = DESIGNS[args.config].source if not overrides else "GPTConfig"
-        report = describe(Design.from_config(cfg, common.config_name(args), source), model)
-    else:
-        if overrides:
-            raise UserError(f"{args.config}: GPTConfig overrides apply to the GPT-2 presets only")
-        report = describe(DESIGNS[args.config])
+    design, model = common.design_from_args(args)
+    report = describe(design, model)
     common.emit(args, report, render(report))
     return 0

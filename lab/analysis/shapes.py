@@ -10,10 +10,11 @@ are the shapes that ran. Only attention mixes positions; everything else works o
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
+from lab import flags
 from lab.analysis import common
 from lab.hooks import capture
 from lab.model import Block
@@ -23,14 +24,14 @@ def _params(*modules: torch.nn.Module) -> int:
     return sum(p.numel() for m in modules for p in m.parameters())
 
 
-def describe(block: Block, batch: int, T: int) -> dict:
-    """Run ``block`` on a random [batch, T, D] stream and describe its six named tensors."""
+def tensor_specs(block: Block, T: int) -> list[tuple]:
+    """The six tensors of ``block`` at T positions: what each is, its hook name, its symbolic shape, what
+    makes it (and the modules whose weights do), its FLOPs per token, whether it mixes positions.
+    (Pre-LN: each stage's LayerNorm sits on its input; post-LN: on the sum, i.e. the next stream.)"""
     attn, mlp = block.attn, block.mlp
-    D, H, Dh = attn.c_proj.weight.shape[1], attn.n_head, attn.head_dim
+    D = attn.c_proj.weight.shape[1]
     pre = block.norm_first  # peri as well: the stage reads ln_1(x)
-    # Each tensor: hook name, symbolic shape, the modules whose weights make it, FLOPs per token, mixes?
-    # (pre-LN: each stage's LayerNorm sits on its input; post-LN: on the sum, i.e. the next stream.)
-    spec = [
+    return [
         ("the stream entering", "resid_pre", "[B, T, D]", "-", [], 0, False),
         (
             "q, k, v projections",
@@ -70,6 +71,13 @@ def describe(block: Block, batch: int, T: int) -> dict:
         ),
         ("feed-forward output", "mlp_out", "[B, T, D]", "mlp.c_proj", [mlp.c_proj], 2 * 4 * D * D, False),
     ]
+
+
+def describe(block: Block, batch: int, T: int) -> dict:
+    """Run ``block`` on a random [batch, T, D] stream and describe its six named tensors."""
+    attn = block.attn
+    D, H, Dh = attn.c_proj.weight.shape[1], attn.n_head, attn.head_dim
+    spec = tensor_specs(block, T)
     x = torch.randn(batch, T, D)  # [B, T, D]
     with torch.inference_mode(), capture(block, [name for _, name, *_ in spec]) as seen:
         block(x)
@@ -143,13 +151,24 @@ def render(report: dict, name: str) -> str:
     )
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "The six tensors of one Block, with shapes, parameters and position mixing.")
+@dataclass
+class ShapesOptions:
+    T: int | None = None
+    """Positions (default: the config's context length)."""
+    batch: int = 1
+    """Batch size B."""
+
+
+def parser() -> flags.Parser:
+    p = common.parser("shapes", "The six tensors of one Block, with shapes, parameters and position mixing.")
     common.add_config_args(p)
-    p.add_argument("--T", type=int, default=None, help="positions (default: the config's context length)")
-    p.add_argument("--batch", type=int, default=1, help="batch size B (default: %(default)s)")
+    p.add_options(ShapesOptions)
     common.add_output_args(p)
-    args = p.parse_args(argv[1:])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
 
     cfg = common.config_from_args(args)
     T = args.T or cfg.block_size

@@ -16,12 +16,15 @@ threads that must meet at every op wait for each other whenever one is deschedul
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
+from lab import flags
 from lab.analysis import common
 from lab.analysis.designs import Design
+from lab.config import GPTConfig
 from lab.model import Block
 
 
@@ -96,32 +99,34 @@ def render(report: dict) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str]) -> int:
-    p = common.parser(argv[0], "The attention stage's share of one Block's wall time.")
-    common.add_config_args(p, exclude=["attention"])
-    p.add_argument(
-        "--T", type=int, nargs="+", default=[256, 1024, 4096], help="positions (default: %(default)s)"
-    )
-    p.add_argument(
-        "--attention", dest="modes", nargs="+", choices=["eager", "sdpa"], default=["eager", "sdpa"]
-    )
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
-    common.add_output_args(p)
-    args = p.parse_args(argv[1:])
+OWN_FIELDS = ("attention",)
+"""GPTConfig's fields that are this command's own flags: timing compares the attention modes."""
 
-    torch.set_num_threads(args.threads)
-    cfg = common.config_from_args(args)
-    design = Design.from_config(cfg, common.config_name(args))
-    load_before = common.load_average()
+
+@dataclass
+class TimingOptions:
+    """What to time."""
+
+    T: tuple[int, ...] = (256, 1024, 4096)
+    """Positions."""
+    attention: tuple[Literal["eager", "sdpa"], ...] = ("eager", "sdpa")
+    """The attention implementations to time."""
+    repeats: int = 3
+    """Timed runs per measurement."""
+    threads: int = 2
+    """Torch threads."""
+
+
+def timing_rows(cfg: GPTConfig, design: Design, options: TimingOptions) -> list[dict]:
+    """Per T and attention mode, the Block's and its attention stage's median ms, and their shares."""
     rows = []
-    for T in args.T:
+    for T in options.T:
         blocks = {}
-        for attention in args.modes:
+        for attention in options.attention:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)  # the same weights for every mode
                 blocks[attention] = Block(replace(cfg, attention=attention, dropout=0.0)).eval()
-        for attention, ms in time_blocks(blocks, T, args.repeats).items():
+        for attention, ms in time_blocks(blocks, T, options.repeats).items():
             rows.append(
                 {
                     "T": T,
@@ -132,11 +137,32 @@ def main(argv: list[str]) -> int:
                     "flop_share": flop_share(design, T),
                 }
             )
+    return rows
+
+
+def parser() -> flags.Parser:
+    p = common.parser("timing", "The attention stage's share of one Block's wall time.")
+    common.add_config_args(p, exclude=OWN_FIELDS)
+    p.add_options(TimingOptions)
+    common.add_output_args(p)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse(argv[1:])
+
+    options = flags.options(TimingOptions, args)
+    torch.set_num_threads(options.threads)
+    cfg = common.config_from_args(args, OWN_FIELDS)
+    name = common.config_name(args, OWN_FIELDS)
+    design = Design.from_config(cfg, name)
+    load_before = common.load_average()
+    rows = timing_rows(cfg, design, options)
     report = {
-        "config": common.config_name(args),
-        "threads": args.threads,
-        "repeats": args.repeats,
-        "T": args.T,
+        "config": name,
+        "threads": options.threads,
+        "repeats": options.repeats,
+        "T": list(options.T),
         "load_average": [load_before, common.load_average()],
         "rows": rows,
     }
