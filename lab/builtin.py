@@ -45,11 +45,11 @@ from lab.blocks import BlockSet
 from lab.config import GPTConfig
 from lab.corpora import HELD_OUT_EVERY, stdlib_files
 from lab.exit_probe import ExitProbe, fit_exit_probe_on_files
+from lab.flags import parse
 from lab.machine import cpu_description
 from lab.model import GPT
-from lab.options import parse
 from lab.token_data import TokenDataModule, lowest_log_normaliser, ngram_baselines, widen_vocabulary
-from lab.train import STREAM_TRAINER_ARGS, LitGPT
+from lab.train import LitGPT, make_trainer
 from lab.weights import (
     FORMAT_FILE,
     builtin_dir,
@@ -231,23 +231,18 @@ def plan(recipe: Recipe, lit: LitGPT, dm: TokenDataModule, started: float) -> tu
 
 def train(recipe: Recipe, lit: LitGPT, dm: TokenDataModule, steps: int, train_seconds, logs: Path) -> int:
     """Fit ``lit`` on ``dm`` for ``steps`` steps (or until ``train_seconds``); the steps taken."""
-    trainer = L.Trainer(
-        **STREAM_TRAINER_ARGS,
+    trainer = make_trainer(
+        steps,
         accelerator="cpu",
-        devices=1,
         precision=recipe.precision,
-        max_steps=steps,
         max_epochs=1,
         limit_train_batches=steps,  # one "epoch" is the whole run: the bar shows its end and its ETA
         val_check_interval=max(steps // VALIDATIONS, 1),
         limit_val_batches=recipe.eval_batches,
-        num_sanity_val_steps=0,
         max_time=None if train_seconds is None else {"seconds": max(train_seconds, 1)},
-        gradient_clip_val=1.0,
         logger=TensorBoardLogger(logs, name="", version=""),
-        enable_checkpointing=False,
-        enable_model_summary=False,
         log_every_n_steps=10,
+        enable_progress_bar=True,
     )
     L.seed_everything(recipe.seed, verbose=False)  # layer dropout's draws start from the seed too
     trainer.fit(lit, datamodule=dm)

@@ -151,6 +151,13 @@ def options(cls: type[T], args: Namespace) -> T:
     return cls(**{field.name: args[field.name] for field in dataclasses.fields(cls)})
 
 
+def parse(cls: type[T], argv: Sequence[str], prog: str, description: str | None = None) -> T:
+    """The dataclass ``cls`` from the flags in ``argv`` (one flag per field, see ``Parser``)."""
+    parser = Parser(prog, description)
+    parser.add_options(cls)
+    return options(cls, parser.parse(argv))
+
+
 def command_parser(command: Callable, prog: str, description: str | None = None) -> Parser:
     """The flags of ``command``'s typed parameters (its docstring's ``Args:`` as their help);
     ``description`` defaults to the docstring's first paragraph."""

@@ -143,6 +143,8 @@ def test_damaged_or_missing_files_are_refused_by_name(tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(UserError, match="model.safetensors: damaged"):
         load_model(str(tmp_path / "m"))
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))  # whole again
     (tmp_path / "m" / "exit_probe.safetensors").unlink()
     with pytest.raises(UserError, match="exit_probe.safetensors: missing"):
         load_model(str(tmp_path / "m"))
