@@ -65,7 +65,7 @@ def test_blocks_to_run():
         ("all;skip=1", "'all' stands alone"),
         ("skip", "'skip': expected key=value"),
         ("jump=3", "'jump=3': unknown key 'jump'"),
-        ("skip=1;keep=2", "'keep=2': give skip or keep, not both"),
+        ("skip=1;keep=2", "'keep=2': cannot be combined with skip"),
         # the rules of the fields, against the depth
         ("skip=12", "'skip=12': block indices [12] out of range 0..11"),
         ("skip=3,3", "'skip=3,3': duplicated block index 3 in skip"),
@@ -89,9 +89,9 @@ def test_malformed_specs_name_the_part(spec, message):
 def test_the_fields_follow_the_same_rules():
     with pytest.raises(ValueError, match="keep: needs at least one block"):
         BlockSet.keep([], N_LAYER)
-    with pytest.raises(ValueError, match="adaptive_min_blocks: needs adaptive"):
+    with pytest.raises(ValueError, match="adaptive_min_blocks: only with adaptive"):
         BlockSet(adaptive_min_blocks=3).validate(N_LAYER)
-    with pytest.raises(ValueError, match="adaptive_check: needs adaptive"):
+    with pytest.raises(ValueError, match="adaptive_check: only with adaptive"):
         BlockSet(adaptive_check="probe").validate(N_LAYER)
 
 
