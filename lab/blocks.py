@@ -78,7 +78,8 @@ KEYS: dict[str, Key] = {
     for key in (
         Key("skip", "skip", "index", frozenset(), "skip", "Blocks that pass the stream through.", "skip"),
         Key(
-            "keep", "keep", "index", None, "keep", "Only these blocks run; the others pass the stream through.",
+            "keep", "keep", "index", None, "keep",
+            "Only these blocks run; the others pass the stream through.",
             "keep", excludes=("skip",),
         ),
         Key(
@@ -301,7 +302,8 @@ class BlockSet:
             raise BlockSetError(error.key, error.reason, parts.get(error.key.key, spec)) from None
 
     def __str__(self) -> str:
-        return ";".join(f"{name}={_format(KEYS[name], value)}" for name, value in self.given().items()) or "all"
+        parts = [f"{name}={_format(KEYS[name], value)}" for name, value in self.given().items()]
+        return ";".join(parts) or "all"
 
 
 def _check_indices(key: Key, indices: frozenset[int], n_layer: int) -> None:

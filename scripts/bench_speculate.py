@@ -27,8 +27,10 @@ import torch
 from lab import tokens
 from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
-from lab.generate import SpeculationStats, generate
-from lab.quantize import WEIGHT_DTYPES, load
+from lab.generate import generate
+from lab.quantize import WEIGHT_DTYPES
+from lab.speculate import SpeculationStats
+from lab.weights import load_model
 
 
 def prompts_from_stdlib(count: int, length: int) -> list[list[int]]:
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = load(args.model, args.dtype)
+    model = load_model(args.model, args.dtype)
     depth = model.config.n_layer
     prompts = prompts_from_stdlib(args.prompts, args.prompt_tokens)
     decode(model, prompts[:1], 8, BlockSet())  # warm-up
