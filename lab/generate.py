@@ -77,6 +77,12 @@ def mean_blocks(steps: list[Step]) -> float:
     return sum(len(step.blocks_run) for step in steps) / len(steps) if steps else 0.0
 
 
+def check_sampling(sampling: SamplingParams, block_set: BlockSet) -> None:
+    """SamplingError unless ``sampling`` can be used under ``block_set``."""
+    if block_set.is_speculative and sampling.min_tokens > 0:
+        raise SamplingError("min_tokens", "not with speculate (drafts are drawn without it)")
+
+
 class Generation:
     """One sequence being generated after ``prompt``: see the module docstring.
 
@@ -105,8 +111,7 @@ class Generation:
         if len(prompt) > cfg.block_size:
             raise UserError(f"prompt: {len(prompt)} tokens exceed the context length {cfg.block_size}")
         block_set = (block_set or BlockSet()).validate(cfg.n_layer)
-        if block_set.is_speculative and sampling.min_tokens > 0:
-            raise SamplingError("min_tokens", "not with speculate (drafts are drawn without it)")
+        check_sampling(sampling, block_set)
         self.model, self.prompt, self.sampling, self.deadline = model, prompt, sampling, deadline
         self.eos_token = None if sampling.ignore_eos else eos_token
         self.budget = max(0, min(max_new_tokens, cfg.block_size - len(prompt)))

@@ -7,7 +7,7 @@
     out.choices[0].text, out.blocklab["mean_blocks_per_token"]
 
 Each body is translated into ``PredictRequest``s (one per prompt: a list of prompts, of token ids
-or of lists of ids, becomes as many choices) that go through ``serve.gateway`` like ``/predict``:
+or of lists of ids, becomes as many choices) that go through ``serve.http_front`` like ``/predict``:
 same checks, same batches. (LitServe's ``OpenAISpec`` covers chat only and takes over its LitAPI; a
 second LitAPI for it would load the model again and never batch with ``/predict``.) The block set
 travels in the extra field ``blocks`` (a spec string, ``lab.blocks``); vLLM's extras ``top_k``,
@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from lab import tokens
-from serve.gateway import Gateway, Submission
+from serve.http_front import Front, Submission
 from serve.schema import MAX_NEW_TOKENS, PredictRequest
 
 DEFAULT_MAX_TOKENS = 16
@@ -254,9 +254,9 @@ class _Translation:
             detail = error.errors(include_url=False, include_context=False)
             raise HTTPException(422, _in_openai_terms(detail, self.names)) from None
 
-    def admit(self, gateway: Gateway, request: PredictRequest) -> Submission:
+    def admit(self, front: Front, request: PredictRequest) -> Submission:
         try:
-            return gateway.admit(request)
+            return front.admit(request)
         except HTTPException as error:  # checked against the model: say it in the client's terms
             if error.status_code == 422 and isinstance(error.detail, list):
                 raise HTTPException(422, _in_openai_terms(error.detail, self.names)) from None
@@ -267,9 +267,9 @@ class _Route:
     """One OpenAI route: how its choices look, whole and streamed."""
 
     def __init__(
-        self, gateway: Gateway, model_name: str, kind: Literal["text_completion", "chat.completion"]
+        self, front: Front, model_name: str, kind: Literal["text_completion", "chat.completion"]
     ):
-        self.gateway = gateway
+        self.front = front
         self.model_name = model_name
         self.kind = kind
 
@@ -298,25 +298,26 @@ class _Route:
         submissions: list[Submission] = []
         try:
             for request in requests:  # all admitted before any is awaited, so they can share batches
-                submissions.append(translation.admit(self.gateway, request))
+                submissions.append(translation.admit(self.front, request))
             request_id = ("cmpl-" if self.kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
             if body.stream:
                 first = await submissions[0].next_event(client)
                 if first["event"] == "error":
-                    return self.gateway.error_response(first, client.url.path)
+                    return self.front.error_response(first, client.url.path)
                 chunk_object = (
                     "text_completion" if self.kind == "text_completion" else "chat.completion.chunk"
                 )
                 stream = self._sse(
                     first, submissions, translation, self._envelope(body, chunk_object, request_id), echo
                 )
+                submissions[0].stop_watching()  # the streaming response sees its client leave
                 submissions = []  # the stream closes them
                 return StreamingResponse(stream, media_type="text/event-stream")
             responses = []
             for submission in submissions:
                 event = await submission.final_event(client)
                 if event["event"] == "error":
-                    return self.gateway.error_response(event, client.url.path)
+                    return self.front.error_response(event, client.url.path)
                 responses.append(event["response"])
         finally:
             for submission in submissions:
@@ -356,7 +357,7 @@ class _Route:
                 elif len(ids) >= 2:
                     overrides = {"max_new_tokens": 0, "score": True, "stream": False, "stop": None}
                     scoring = translation.request(ids, **overrides, min_tokens=None)
-                    pending[index] = translation.admit(self.gateway, scoring)
+                    pending[index] = translation.admit(self.front, scoring)
             for index, submission in pending.items():
                 event = await submission.final_event(client)
                 if event["event"] == "error":
@@ -476,9 +477,9 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def register(app: FastAPI, gateway: Gateway, *, model_name: str, responses: dict) -> None:
-    completion = _Route(gateway, model_name, "text_completion")
-    chat = _Route(gateway, model_name, "chat.completion")
+def register(app: FastAPI, front: Front, *, model_name: str, responses: dict) -> None:
+    completion = _Route(front, model_name, "text_completion")
+    chat = _Route(front, model_name, "chat.completion")
 
     async def completions(request: CompletionRequest, client: Request) -> Response:
         if request.logprobs is not None and request.logprobs > MAX_LOGPROBS:
