@@ -1,13 +1,13 @@
 """Command-line flags from a dataclass: each field a flag, its docstring the help, nothing restated.
 
-    parser = flags.parser(ServeConfig, prog="blocklab serve", description="Serve a model over HTTP.")
-    config = flags.parse(parser, ServeConfig, argv)   # ServeConfig(**the flags given)
+    config = flags.parse(ServeConfig, argv, prog="blocklab serve", description="Serve a model over HTTP.")
 
 jsonargparse reads the fields' types (``int``, ``float``, ``X | None``, ``Literal[...]``: checked, a
 ``Literal``'s values listed as the choices) and their docstrings. Flags are spelled the way blocklab's
 users type them, with dashes (``--max-new-tokens`` for ``max_new_tokens``; jsonargparse's own
 spelling is the field name), and a ``bool`` field is a switch: ``--batch-invariant`` /
-``--no-batch-invariant``.
+``--no-batch-invariant``. ``aliases`` gives some flags other spellings too (``--text`` for
+``--prompt``). A bad flag or value ends in the usage and exit status 2, as argparse's do.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class DashedParser(ArgumentParser):
 
 
 def parser(
-    cls: type, *, prog: str, description: str, aliases: dict[str, tuple[str, ...]] | None = None
+    cls: type, prog: str, description: str, aliases: dict[str, tuple[str, ...]] | None = None
 ) -> DashedParser:
     """The parser of a command whose options are the fields of dataclass ``cls``."""
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # field docstrings are the help
@@ -54,7 +54,13 @@ def parser(
     return made
 
 
-def parse(made: ArgumentParser, cls: type[T], argv: list[str]) -> T:
-    """``cls`` from the flags in ``argv``; on a bad flag, the parser's usage and exit status 2."""
-    values: dict[str, Any] = made.parse_args(argv).as_dict()
+def parse(
+    cls: type[T],
+    argv: list[str],
+    prog: str,
+    description: str,
+    aliases: dict[str, tuple[str, ...]] | None = None,
+) -> T:
+    """An instance of ``cls`` from the command line ``argv`` (without the program name)."""
+    values: dict[str, Any] = parser(cls, prog, description, aliases).parse_args(argv).as_dict()
     return cls(**values)

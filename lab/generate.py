@@ -444,12 +444,9 @@ def main(argv: list[str]) -> int:
 
     command, rest = argv[0], argv[1:]
     options = GenerateCommand if command == "generate" else ScoreCommand
-    parser = flags.parser(
-        options, prog=f"blocklab {command}", description=options.__doc__, aliases={"prompt": ("--text",)}
-    )
-    args = flags.parse(parser, options, rest)
+    args = flags.parse(options, rest, f"blocklab {command}", options.__doc__, aliases={"prompt": ("--text",)})
     if (args.prompt is None) == (args.file is None):
-        parser.error("give the text as --prompt TEXT or --file PATH, one of them")
+        raise UserError("give the text as --prompt TEXT or --file PATH, one of them")
     if args.threads:
         torch.set_num_threads(args.threads)
     text = _read_text(args)  # before the model loads: a wrong path fails at once

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lab import flags
 from lab.blocks import BlockSet
+from lab.errors import UserError
 from lab.quantize import WeightDtype
 from lab.weights import locate
 from serve import http_front, openai_compat
@@ -108,12 +109,12 @@ class ServeConfig:
     """The block set of requests that name none, e.g. one `blocklab plan` recommended (default: all);
     checked against the model at start, reported in /info."""
 
-    def check(self) -> str | None:
-        """What is wrong with these settings, in a line; None: nothing."""
+    def check(self) -> None:
+        """UserError saying what is wrong with these settings, if anything is."""
         if self.dtype in ("int8", "int4") and self.accelerator not in ("auto", "cpu"):
-            return f"--dtype {self.dtype} runs on the CPU: use --accelerator cpu (or auto)"
+            raise UserError(f"--dtype {self.dtype} runs on the CPU: use --accelerator cpu (or auto)")
         if self.max_batch_size < 1 or self.prefill_chunk < 1:
-            return "--max-batch-size and --prefill-chunk must be at least 1"
+            raise UserError("--max-batch-size and --prefill-chunk must be at least 1")
         for name in (
             "queue_timeout",
             "request_timeout",
@@ -122,11 +123,10 @@ class ServeConfig:
             "keep_alive_timeout",
         ):
             if not 0 < getattr(self, name) < float("inf"):
-                return f"--{name.replace('_', '-')} must be a positive number of seconds"
+                raise UserError(f"--{name.replace('_', '-')} must be a positive number of seconds")
         for name in ("max_connections", "backlog"):
             if getattr(self, name) < 1:
-                return f"--{name.replace('_', '-')} must be at least 1"
-        return None
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1")
 
 
 def blocklab_version() -> str:
@@ -254,18 +254,18 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def options(argv: list[str]) -> ServeConfig:
+    """``blocklab serve``'s flags (``ServeConfig``'s fields) as a config, checked."""
+    description = "Serve a model over HTTP; each request picks its block set. See docs/serving.md."
+    config = flags.parse(ServeConfig, argv, prog="blocklab serve", description=description)
+    config.check()
+    return config
+
+
 def main(argv: list[str], model_factory: ModelFactory | None = None) -> int:
-    parser = flags.parser(
-        ServeConfig,
-        prog="blocklab serve",
-        description="Serve a model over HTTP; each request picks its block set. See docs/serving.md.",
-    )
-    config = flags.parse(parser, ServeConfig, argv[1:])
+    config = options(argv[1:])
     if config.api_key is None:
         config = replace(config, api_key=os.environ.get("LIT_SERVER_API_KEY"))
-    problem = config.check()
-    if problem is not None:
-        parser.error(problem)
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
