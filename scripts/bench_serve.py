@@ -46,8 +46,9 @@ import httpx
 import torch
 
 from serve.schema import PredictRequest, resolve
+from serve.shared import SharedState
 from serve.testing import ServerProcess, TinyModel, free_port
-from serve.worker import SharedState, Worker
+from serve.worker import Worker
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find"
 

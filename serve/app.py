@@ -42,7 +42,8 @@ from serve import http_front, openai_compat
 from serve.connections import ReadDeadlineH11Protocol
 from serve.litserve_adapter import LitServePool
 from serve.schema import ModelLimits
-from serve.worker import ModelFactory, SharedState, WeightsLoader, Worker
+from serve.shared import SharedState
+from serve.worker import ModelFactory, WeightsLoader, Worker
 
 logger = logging.getLogger("blocklab.serve")
 

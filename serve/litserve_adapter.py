@@ -42,7 +42,6 @@ import logging
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from multiprocessing.connection import wait
 
@@ -50,9 +49,10 @@ import litserve as ls
 from litserve.loops.base import LitLoop
 from litserve.utils import WorkerSetupStatus
 
-from serve.pool import WORKER_DIED, Channel, PoolFull
-from serve.schema import Job, ModelLimits, error_event
-from serve.worker import Order, SharedState, Worker
+from serve.pool import Channel, Switchboard
+from serve.schema import Job, ModelLimits
+from serve.shared import SharedState
+from serve.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +107,7 @@ class LitServePool:
         count = len(self.server._inference_workers_config_for_api(API_PATH))
         if count > SharedState.MAX_WORKERS:
             raise ValueError(f"{count} workers: at most {SharedState.MAX_WORKERS} are supported")
-        self.queue_timeout = queue_timeout
-        # least recently freed first, so a cancelled job's slot is reused as late as possible
-        self.free_slots = deque(range(len(self.shared.cancelled)))
-        self.channels: dict[int, Channel] = {}
-        self.slots: dict[int, int] = {}  # ticket -> slot
-        self.tickets = 0
+        self.board = Switchboard(len(self.shared.cancelled), queue_timeout, self.shared.cancelled.__setitem__)
         self.workers = []
         self.manager = None
         self.stopping = False
@@ -173,22 +168,9 @@ class LitServePool:
     # -- the HTTP side's calls, in the event loop's thread ------------------------------------------
 
     def submit(self, job: Job) -> Channel:
-        if not self.free_slots:
-            raise PoolFull(f"{len(self.shared.cancelled)} requests in flight, the most this server takes")
-        slot = self.free_slots.popleft()
-        self.tickets += 1
-        channel = Channel(job, self.queue_timeout, self._closed)
-        self.channels[self.tickets], self.slots[self.tickets] = channel, slot
-        channel.ticket = self.tickets
-        self.requests.put(Order(self.tickets, slot, job))
+        order, channel = self.board.open(job)
+        self.requests.put(order)
         return channel
-
-    def _closed(self, channel: Channel) -> None:
-        del self.channels[channel.ticket]
-        slot = self.slots.pop(channel.ticket)
-        if not channel.finished:  # its worker stops it at its next step
-            self.shared.cancelled[slot] = channel.ticket
-        self.free_slots.append(slot)
 
     def ready(self) -> bool:
         states = dict(self.server.workers_setup_status)
@@ -202,8 +184,8 @@ class LitServePool:
 
     def stats(self) -> dict:
         return {
-            "in_flight": len(self.channels),
-            "max_in_flight": len(self.shared.cancelled),
+            "in_flight": self.board.in_flight(),
+            "max_in_flight": self.board.slots,
             **self.shared.totals(),
         }
 
@@ -225,22 +207,7 @@ class LitServePool:
                 return
             if message is None:
                 return
-            loop.call_soon_threadsafe(self._dispatch, *message)
-
-    def _dispatch(self, kind: str, ticket: int, payload) -> None:
-        """One message, in the event loop's thread: a worker took a job, sent an event, or died."""
-        if kind == "died":
-            for channel in self.channels.values():
-                if channel.worker == payload:
-                    channel.deliver(error_event(503, WORKER_DIED))
-            return
-        channel = self.channels.get(ticket)
-        if channel is None:  # closed already: its client is gone
-            return
-        if kind == "started":
-            channel.taken(payload)
-        else:
-            channel.deliver(payload)
+            loop.call_soon_threadsafe(self.board.route, *message)
 
     def _watch(self) -> None:
         """Replace each worker that dies, after telling the HTTP side (through the same queue as the

@@ -266,9 +266,7 @@ class _Translation:
 class _Route:
     """One OpenAI route: how its choices look, whole and streamed."""
 
-    def __init__(
-        self, front: Front, model_name: str, kind: Literal["text_completion", "chat.completion"]
-    ):
+    def __init__(self, front: Front, model_name: str, kind: Literal["text_completion", "chat.completion"]):
         self.front = front
         self.model_name = model_name
         self.kind = kind

@@ -5,9 +5,10 @@
     channel.close()                     # frees its slot; a job not finished yet is cancelled
 
 ``WorkerPool`` is the whole interface; ``serve.litserve_adapter.LitServePool`` implements it over
-LitServe's worker processes, and the HTTP front end (``serve.http_front``) knows nothing else of the
-workers. Data flows one way: the front end calls the pool, never the reverse; a job's events come
-back through its ``Channel``.
+LitServe's worker processes (its ``Switchboard`` keeps the slots and routes the workers' messages
+to the channels), and the HTTP front end (``serve.http_front``) knows nothing else of the workers.
+Data flows one way: the front end calls the pool, never the reverse; a job's events come back
+through its ``Channel``.
 
 A channel's wait wakes up when an event arrives, when a worker takes the job (from then on its
 queue timeout no longer applies), and at its limits: a job no worker took within the queue timeout
@@ -22,11 +23,12 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, suppress
 from typing import Protocol
 
 from serve.schema import Job, ModelLimits, error_event
+from serve.worker import Order
 
 WORKER_DIED = "the worker running this request died; it is being replaced, retry"
 TIMEOUT_GRACE_S = 2.0
@@ -45,7 +47,7 @@ class Channel:
     ``next_event`` and calls ``close`` once, when it is done with the job.
     """
 
-    def __init__(self, job: Job, queue_timeout: float, on_close: Callable[[Channel], None]):
+    def __init__(self, job: Job, queue_timeout: float, on_close: Callable[[], None]):
         self.job = job
         self.queue_timeout = queue_timeout
         self.on_close = on_close
@@ -95,7 +97,59 @@ class Channel:
         """Done with the job: its slot is freed, and the job cancelled if not finished."""
         if not self.closed:
             self.closed = True
-            self.on_close(self)
+            self.on_close()
+
+
+class Switchboard:
+    """A pool's bookkeeping on the HTTP side: a slot, a ticket and a channel per job in flight, and
+    the workers' messages routed to the channels (``serve.worker`` says what they are).
+
+    ``cancel(slot, ticket)`` tells the workers that the job holding ``slot`` is cancelled.
+    """
+
+    def __init__(self, slots: int, queue_timeout: float, cancel: Callable[[int, int], None]):
+        self.slots = slots
+        self.queue_timeout = queue_timeout
+        self.cancel = cancel
+        # least recently freed first, so a cancelled job's slot is reused as late as possible
+        self.free_slots = deque(range(slots))
+        self.channels: dict[int, Channel] = {}
+        self.slot_of: dict[int, int] = {}  # ticket -> slot
+        self.tickets = 0
+
+    def open(self, job: Job) -> tuple[Order, Channel]:
+        """The order a worker takes for ``job``, and its channel; PoolFull when every slot is taken."""
+        if not self.free_slots:
+            raise PoolFull(f"{self.slots} requests in flight, the most this server takes")
+        self.tickets += 1
+        ticket, slot = self.tickets, self.free_slots.popleft()
+        channel = Channel(job, self.queue_timeout, lambda: self._closed(ticket))
+        self.channels[ticket], self.slot_of[ticket] = channel, slot
+        return Order(ticket, slot, job), channel
+
+    def _closed(self, ticket: int) -> None:
+        channel, slot = self.channels.pop(ticket), self.slot_of.pop(ticket)
+        if not channel.finished:  # its worker stops it at its next step
+            self.cancel(slot, ticket)
+        self.free_slots.append(slot)
+
+    def route(self, kind: str, ticket: int, payload) -> None:
+        """A worker's message, in the event loop's thread: it took a job, sent an event, or died."""
+        if kind == "died":
+            for channel in self.channels.values():
+                if channel.worker == payload:
+                    channel.deliver(error_event(503, WORKER_DIED))
+            return
+        channel = self.channels.get(ticket)
+        if channel is None:  # closed already: its client is gone
+            return
+        if kind == "started":
+            channel.taken(payload)
+        else:
+            channel.deliver(payload)
+
+    def in_flight(self) -> int:
+        return len(self.channels)
 
 
 class WorkerPool(Protocol):
@@ -130,12 +184,3 @@ class WorkerPool(Protocol):
 
     def worker_pids(self) -> list[int]:
         """The worker processes, for their memory at ``/stats``."""
-
-
-async def events(channel: Channel) -> AsyncIterator[dict]:
-    """A channel's events up to and including its last (done or error)."""
-    while True:
-        event = await channel.next_event()
-        yield event
-        if event["event"] in ("done", "error"):
-            return

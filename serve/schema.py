@@ -114,7 +114,7 @@ class _PredictFields(BaseModel):
                 f"blocks: give a spec string or the fields {[k.request for k in given]}, not both"
             )
         try:
-            check_together(key.key for key in given)
+            check_together([key.key for key in given])
         except BlockSetError as error:
             raise ValueError(f"{error.key.request}: {error.reason}") from None
         return self

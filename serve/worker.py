@@ -1,12 +1,13 @@
 """The worker: a model in each worker process, fed resolved jobs, its engine stepped between arrivals.
 
 ``Worker`` is pickled into every worker process the pool (``serve.litserve_adapter``) starts;
-``setup`` loads the model there and publishes its shape into ``SharedState`` (the pool reports it to
-the HTTP side, which checks requests against it). ``serve`` is the worker's loop, iteration-level
-scheduling around ``serve.engine.Engine``: it blocks while it has nothing to do, and otherwise,
-between any two ticks of the engine, admits whatever has arrived (up to ``max_batch_size`` rows) and
-sends each event as it comes. Jobs arrive resolved (``serve.schema.Job``: tokenised, block set and
-sampling made, once, on the HTTP side); nothing here re-validates them.
+``setup`` loads the model there and publishes its shape into ``serve.shared.SharedState`` (the pool
+reports it to the HTTP side, which checks requests against it). ``serve`` is the worker's loop,
+iteration-level scheduling around ``serve.engine.Engine``: it blocks while it has nothing to do,
+and otherwise, between any two ticks of the engine, admits whatever has arrived (up to
+``max_batch_size`` rows) and sends each event as it comes. Jobs arrive resolved
+(``serve.schema.Job``: tokenised, block set and sampling made, once, on the HTTP side); nothing
+here re-validates them.
 
 The loop talks through two queues and knows nothing of LitServe: ``inbox.get()`` gives ``Order``s
 (None: finish what is held, then stop), and it puts onto ``outbox`` the message
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -30,9 +30,9 @@ from queue import Empty
 import torch
 
 from lab.model import GPT
-from lab.quantize import parameter_count
-from serve.engine import COUNTERS, Engine, Tally
-from serve.schema import Job, ModelLimits, error_event
+from serve.engine import Engine
+from serve.schema import Job, error_event
+from serve.shared import SharedState
 
 logger = logging.getLogger(__name__)
 
@@ -60,64 +60,9 @@ class Order:
     ticket: int
     """Unique per request in this server's life."""
     slot: int
-    """Its cell in ``SharedState.cancelled``: the job is cancelled once the cell holds its ticket."""
+    """Its cell in ``serve.shared.SharedState.cancelled``: the job is cancelled once the cell holds
+    its ticket."""
     job: Job
-
-
-class SharedState:
-    """Memory shared by the pool's HTTP side and the spawned workers, made before the workers start.
-
-    ``model``: the served model's n_layer, block_size, vocab_size, parameter count and whether it has
-    an exit probe, written by the first worker to finish ``setup`` (n_layer last: nonzero means
-    ready). ``cancelled``: one cell per in-flight slot; the pool writes a request's ticket there when
-    it is cancelled, and the worker stops that job. ``counters``: a row of ``engine.COUNTERS`` per
-    worker, written only by that worker (no lock, which a worker killed while holding it would leave
-    locked); a replaced worker continues its predecessor's row.
-    """
-
-    MAX_WORKERS = 64
-
-    def __init__(self, slots: int):
-        context = mp.get_context("spawn")
-        self.model = context.RawArray(ctypes.c_int64, 5)
-        self.cancelled = context.RawArray(ctypes.c_int64, slots)
-        self.counters = context.RawArray(ctypes.c_int64, self.MAX_WORKERS * len(COUNTERS))
-
-    def tally(self, worker_id: int) -> Tally:
-        """The engine's ``Tally`` for worker ``worker_id``: adds to that worker's row of counters."""
-        row = worker_id * len(COUNTERS)
-        columns = {name: row + column for column, name in enumerate(COUNTERS)}
-
-        def add(name: str, count: int) -> None:
-            self.counters[columns[name]] += count
-
-        return add
-
-    def totals(self) -> dict[str, int]:
-        """Each counter summed over the workers."""
-        width = len(COUNTERS)
-        values = self.counters[:]
-        return {name: sum(values[column::width]) for column, name in enumerate(COUNTERS)}
-
-    def publish(self, model: GPT) -> None:
-        cfg = model.config
-        has_probe = int(model.exit_probe is not None)
-        self.model[1:] = [cfg.block_size, cfg.vocab_size, parameter_count(model), has_probe]
-        self.model[0] = cfg.n_layer  # last: a depth marks the rest as written (see limits)
-
-    def limits(self) -> ModelLimits | None:
-        n_layer, block_size, _, _, has_probe = self.model[:]
-        return ModelLimits(n_layer, block_size, exit_probe=bool(has_probe)) if n_layer else None
-
-    def model_info(self) -> dict:
-        n_layer, block_size, vocab_size, n_params, has_probe = self.model[:]
-        return {
-            "depth": n_layer,
-            "context_length": block_size,
-            "vocab_size": vocab_size,
-            "parameters": n_params,
-            "exit_probe": bool(has_probe),
-        }
 
 
 def _die_with_parent() -> None:
@@ -208,9 +153,9 @@ class Worker:
             message = f"waited more than {self.queue_timeout:g} s in the queue"
             outbox.put(("event", order.ticket, error_event(504, message)))
             return True
-        cells, ticket, slot = self.shared.cancelled, order.ticket, order.slot
+        ticket = order.ticket
         try:
-            self.engine.add(ticket, order.job, cancelled=lambda: cells[slot] == ticket)
+            self.engine.add(ticket, order.job, cancelled=self.shared.cancellation(order.slot, ticket))
         except Exception as error:  # a job the engine cannot hold fails alone, the loop goes on
             logger.exception("engine.add failed")
             outbox.put(("event", ticket, error_event(500, f"{type(error).__name__}: {error}")))
