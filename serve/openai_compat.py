@@ -16,9 +16,9 @@ travels in the extra field ``blocks`` (a spec string, ``lab.blocks``); vLLM's ex
 in the first pass when nothing is generated, else in a scoring request after it. Every response
 carries a ``blocklab`` object: the block set as run, blocks per token, server timings. What is not
 implemented (``n`` > 1, tools, penalties, ``logit_bias``, ``logprobs`` > 1, ...) is refused with
-422 whose ``param`` names it, never silently ignored; OpenAI's explicit nulls mean the default.
-Chat turns are rendered as a plain transcript (``role: content`` lines, then ``assistant:``): the
-served models are not chat-tuned.
+422 whose ``param`` names it, never silently ignored; OpenAI's explicit nulls mean the default
+(the bodies' models: ``serve.openai_schema``). Chat turns are rendered as a plain transcript
+(``role: content`` lines, then ``assistant:``): the served models are not chat-tuned.
 """
 
 import codecs
@@ -27,135 +27,30 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal
+from typing import Literal
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from lab import tokens
 from serve.http_front import Front, Submission
-from serve.schema import MAX_NEW_TOKENS, PredictRequest
-
-DEFAULT_MAX_TOKENS = 16
-"""OpenAI's default for completions; used for chat too."""
-DEFAULT_TEMPERATURE = 1.0
-MAX_PROMPTS = 64
-"""Prompts in one completions request; each becomes a request of its own, with its own slot."""
-MAX_LOGPROBS = 1
-"""The scoring pass reports the most likely token at each position, not a longer list."""
-
-
-def _only(*neutral) -> AfterValidator:
-    """A field accepted only at the values that mean "off": the server does not implement it."""
-
-    def check(value):
-        if value not in neutral:
-            allowed = " or ".join(map(repr, neutral))
-            raise ValueError(f"not supported by this server (got {value!r}; only {allowed})")
-        return value
-
-    return AfterValidator(check)
+from serve.openai_schema import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    MAX_LOGPROBS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIRequest,
+    StreamOptions,
+    chat_prompt,
+)
+from serve.schema import PredictRequest
 
 
 def refuse(param: str, message: str, status: int = 422) -> HTTPException:
     """An error in FastAPI's validation shape, so the OpenAI error names ``param``."""
     return HTTPException(status, [{"type": "value_error", "loc": ["body", param], "msg": message}])
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = Field(None, description="vLLM's: usage in every chunk.")
-
-
-class _OpenAIRequest(BaseModel):
-    """The options completions and chat share. ``None`` (absent or an explicit null) is OpenAI's default."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: str | None = Field(None, max_length=256, description="Accepted and echoed; one model is served.")
-    max_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
-    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    user: str | None = Field(None, max_length=256)
-    n: Annotated[int | None, _only(None, 1)] = None
-    presence_penalty: Annotated[float | None, _only(None, 0.0)] = None
-    frequency_penalty: Annotated[float | None, _only(None, 0.0)] = None
-    logit_bias: Annotated[dict[str, float] | None, _only(None, {})] = None
-    # vLLM's extras, which load tools send to fix output lengths
-    ignore_eos: bool | None = None
-    min_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
-    top_k: int | None = Field(None, ge=-1, description="vLLM's: -1 or 0 is off.")
-    # blocklab's own, sent by OpenAI clients through extra_body
-    blocks: str | None = Field(None, max_length=4096, description="Block set spec, e.g. 'skip=3,4'.")
-
-
-def _check_prompt(prompt: Any) -> str | list[str] | list[int] | list[list[int]]:
-    """One string, a list of strings, token ids, or a list of lists of token ids (one error for all)."""
-
-    def ids(value) -> bool:
-        return isinstance(value, list) and value != [] and all(type(item) is int for item in value)
-
-    shape = "a string, a list of strings, token ids, or a list of lists of token ids"
-    if isinstance(prompt, str) or ids(prompt):
-        return prompt
-    if not isinstance(prompt, list) or prompt == []:
-        raise ValueError(f"must be {shape}")
-    if not (all(isinstance(item, str) for item in prompt) or all(map(ids, prompt))):
-        raise ValueError(f"must be {shape} (a list of prompts holds one kind, each one non-empty)")
-    if len(prompt) > MAX_PROMPTS:
-        raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
-    return prompt
-
-
-class CompletionRequest(_OpenAIRequest):
-    prompt: Annotated[Any, AfterValidator(_check_prompt)] = Field(
-        description="A prompt, a list of prompts, token ids, or a list of lists of token ids."
-    )
-    echo: bool | None = None
-    logprobs: int | None = Field(None, ge=0, le=5)
-    best_of: Annotated[int | None, _only(None, 1)] = None
-    suffix: Annotated[str | None, _only(None, "")] = None
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str = Field(max_length=200_000)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(max_length=1024)] = Field(max_length=200_000)
-    name: str | None = Field(None, max_length=256)
-
-    @property
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(_OpenAIRequest):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
-    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
-    logprobs: Annotated[bool | None, _only(None, False)] = None
-    top_logprobs: Annotated[int | None, _only(None, 0)] = None
-    tools: Annotated[Any, _only(None, [])] = None
-    tool_choice: Annotated[Any, _only(None, "none")] = None
-    parallel_tool_calls: Annotated[Any, _only(None, False)] = None
-    functions: Annotated[Any, _only(None, [])] = None
-    function_call: Annotated[Any, _only(None, "none")] = None
-    response_format: Annotated[Any, _only(None, {"type": "text"})] = None
-
-
-def chat_prompt(messages: list[ChatMessage]) -> str:
-    """The transcript a base model continues: one ``role: content`` line per turn, then ``assistant:``."""
-    return "".join(f"{message.role}: {message.text}\n" for message in messages) + "assistant:"
 
 
 _NAMED_MESSAGE = re.compile(r"(?:Value error, )?(\w+): (.*)", re.DOTALL)
@@ -221,7 +116,7 @@ class _Translation:
     """A body as ``PredictRequest``s: how each prompt is asked, and the names to say errors in."""
 
     def __init__(
-        self, body: _OpenAIRequest, prompts: list[str | list[int]], max_tokens: int | None, names: dict
+        self, body: OpenAIRequest, prompts: list[str | list[int]], max_tokens: int | None, names: dict
     ):
         self.body = body
         self.prompts = prompts
@@ -271,7 +166,7 @@ class _Route:
         self.model_name = model_name
         self.kind = kind
 
-    def _envelope(self, body: _OpenAIRequest, object_name: str, request_id: str) -> dict:
+    def _envelope(self, body: OpenAIRequest, object_name: str, request_id: str) -> dict:
         return {
             "id": request_id,
             "object": object_name,

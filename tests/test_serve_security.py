@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from lab import tokens
 from serve.app import ServeConfig, build
 from serve.http_front import PUBLIC_PATHS
-from serve.openai_compat import ChatCompletionRequest
+from serve.openai_schema import ChatCompletionRequest
 from serve.schema import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, PredictRequest
 from serve.testing import ServerProcess, TinyModel
 
