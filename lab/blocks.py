@@ -11,7 +11,7 @@ A spec string names a block set on the command line, in the server and in the tr
     adaptive=0.9;min=4  ... never before 4 blocks
     adaptive=0.9;check=probe   ... judged by the model's learned exit probe (lab.exit_probe)
     speculate=6         self-speculative decoding: blocks 0..5 draft, the rest verify; the output is
-                        the set's own (see lab.generate.Speculator)
+                        the set's own (see lab.speculate.Speculator)
     speculate=6;k=3     ... drafting 3 tokens a round
 
 The grammar, the same in every place, with the rules of the ``BlockSet`` fields:

@@ -144,7 +144,7 @@ class CausalSelfAttention(nn.Module):
         pos: int | list[int] = 0,
     ) -> torch.Tensor:
         """``cache`` as a list: one cache per row ([1, H, T_max, Dh] each), each row at its own position
-        ``pos[b]``: rows of different sequences decoded together (``lab.generate.decode_rows``).
+        ``pos[b]``: rows of different sequences decoded together (``lab.decode.decode_rows``).
         """
         B, T, D = x.shape
         H, Dh = self.n_head, self.head_dim

@@ -50,7 +50,7 @@ class _InstrumentedGPT(GPT):
 
 @dataclass(frozen=True)
 class TinyModel:
-    """Model factory (``serve.api.ModelFactory``) of a small random GPT with GPT-2's vocabulary."""
+    """Model factory (``serve.worker.ModelFactory``) of a small random GPT with GPT-2's vocabulary."""
 
     n_layer: int = 4
     n_embd: int = 32
