@@ -237,25 +237,12 @@ class Generation:
             raise TimeoutError(f"deadline passed after {len(self.tokens)} new tokens")
 
 
-def generate(
-    model: GPT,
-    prompt: list[int],
-    max_new_tokens: int,
-    sampling: SamplingParams = GREEDY,
-    *,
-    block_set: BlockSet | None = None,
-    eos_token: int | None = None,
-    deadline: float = math.inf,
-    speculation: SpeculationStats | None = None,
-) -> Generation:
-    """Tokens one at a time after ``prompt`` (iterate the result for its ``Step``s; afterwards it holds
-    ``tokens``, ``text``, ``finish_reason``); it stops at ``eos_token``, ``max_new_tokens`` or the
-    context, or at a stop string of ``sampling``. Under a speculating block set tokens come a round at
-    a time, counted in ``speculation`` when given."""
-    return Generation(
-        model, prompt, max_new_tokens, sampling, block_set,
-        eos_token=eos_token, deadline=deadline, speculation=speculation,
-    )  # fmt: skip
+generate = Generation
+"""``generate(model, prompt, max_new_tokens, sampling, block_set=..., eos_token=...)``: tokens one at a
+time after ``prompt``, a ``Generation`` to iterate for its ``Step``s (afterwards it holds ``tokens``,
+``text``, ``finish_reason``). It stops at ``eos_token``, ``max_new_tokens``, the context or a stop
+string of ``sampling``; under a speculating block set tokens come a round at a time, counted in
+``speculation`` when given."""
 
 
 @torch.inference_mode()
