@@ -10,15 +10,17 @@ import contextlib
 import queue
 import sys
 import threading
+import time
 from collections import defaultdict
 
+import pytest
 from fastapi.testclient import TestClient
 
 from lab import tokens
 from lab.model import GPT
 from serve.app import ServeConfig, build_app
 from serve.http_front import Front
-from serve.pool import Channel, Switchboard
+from serve.pool import TIMEOUT_GRACE_S, Channel, PoolFull, Switchboard
 from serve.schema import Job
 from serve.shared import SharedState
 from serve.testing import TinyModel
@@ -162,3 +164,75 @@ def test_following_predict_enters_each_module_once():
     assert repeated == set()
     path = ["serve.http_front", "serve.schema", "serve.pool", "serve.worker", "serve.engine"]
     assert set(path) | {"lab.generate", "lab.decode", "lab.sampling", "lab.model"} <= seen
+
+
+def job_at(submitted_at: float, timeout: float = 60.0) -> Job:
+    from lab.blocks import BlockSet
+    from lab.sampling import SamplingParams
+
+    return Job(
+        [1, 2],
+        BlockSet(),
+        1,
+        SamplingParams(seed=0),
+        submitted_at=submitted_at,
+        deadline=submitted_at + timeout,
+    )
+
+
+def test_the_switchboard_routes_messages_and_cancels_only_unfinished_jobs():
+    async def scenario() -> None:
+        cancelled = []
+        board = Switchboard(
+            2, queue_timeout=60.0, cancel=lambda slot, ticket: cancelled.append((slot, ticket))
+        )
+        now = time.monotonic()
+        (first, a), (second, b) = board.open(job_at(now)), board.open(job_at(now))
+        with pytest.raises(PoolFull, match="2 requests in flight"):
+            board.open(job_at(now))
+        board.route("started", first.ticket, 111)
+        board.route("event", first.ticket, {"event": "token", "index": 0})
+        board.route("started", second.ticket, 222)
+        board.route("died", 0, 222)  # the worker holding the second job
+        assert (await a.next_event())["event"] == "token"
+        died = await b.next_event()
+        assert died["status"] == 503 and "died" in died["message"]
+        board.route("event", second.ticket, {"event": "done"})  # after its end: dropped
+        b.close()
+        a.close()  # not finished: cancelled
+        assert cancelled == [(first.slot, first.ticket)] and board.in_flight() == 0
+        board.route("event", first.ticket, {"event": "done"})  # closed already: dropped
+        third, _ = board.open(job_at(now))
+        assert third.slot == second.slot  # the least recently freed slot first
+
+    asyncio.run(scenario())
+
+
+def test_a_channel_answers_504_past_the_queue_timeout_and_past_a_stuck_step():
+    async def scenario() -> None:
+        board = Switchboard(2, queue_timeout=0.2, cancel=lambda slot, ticket: None)
+        _, waiting = board.open(job_at(time.monotonic()))
+        started = time.monotonic()
+        event = await waiting.next_event()  # no worker takes it
+        assert event["status"] == 504 and "queue timeout" in event["message"]
+        assert 0.2 <= time.monotonic() - started < 2 and not waiting.finished
+        order, stuck = board.open(job_at(time.monotonic() - 60, timeout=60 - TIMEOUT_GRACE_S - 0.2))
+        board.route("started", order.ticket, 1)  # taken: the queue timeout no longer applies
+        event = await stuck.next_event()
+        assert event["status"] == 504 and "stuck in a step" in event["message"]
+
+    asyncio.run(scenario())
+
+
+def test_the_adapter_refuses_another_litserve_release(monkeypatch):
+    import importlib
+
+    import litserve
+
+    import serve.litserve_adapter as adapter
+
+    monkeypatch.setattr(litserve, "__version__", "0.3.0")
+    with pytest.raises(ImportError, match="litserve 0.3.0 is installed"):
+        importlib.reload(adapter)
+    monkeypatch.undo()
+    importlib.reload(adapter)
