@@ -192,12 +192,15 @@ class Submission:
             self._gone = None
 
     def _seen(self, event: dict) -> dict:
-        """Note a last event's outcome (``OUTCOMES``) as it passes; returns it."""
+        """Note a last event's outcome (``OUTCOMES``) as it passes (nothing is left to wait for, so
+        the disconnect watch ends); returns it."""
         if event["event"] == "done":
             self.outcome = "done"
         elif event["event"] == "error":
             status = event["status"]
             self.outcome = OUTCOME_OF_STATUS.get(status, "rejected" if status < 500 else "failed")
+        if event["event"] in ("done", "error"):
+            self.stop_watching()
         return event
 
     def close(self) -> None:
