@@ -11,97 +11,197 @@ A spec string names a block set on the command line, in the server and in the tr
     adaptive=0.9;min=4  ... never before 4 blocks
     adaptive=0.9;check=probe   ... judged by the model's learned exit probe (lab.exit_probe)
     speculate=6         self-speculative decoding: blocks 0..5 draft, the rest verify; the output is
-                        the set's own (see lab.generate.Speculator)
-    speculate=6;k=3     ... drafting 3 tokens a round (default 4)
+                        the set's own (see lab.speculate.Speculator)
+    speculate=6;k=3     ... drafting 3 tokens a round
 
 The grammar, the same in every place, with the rules of the ``BlockSet`` fields:
 
     spec      'all', or parts joined by ';': key=value, each key at most once
-    indices   skip, keep, overwrite: one or more block indices joined by ',', none twice
-    index     exit, min, speculate, k and each block index: ASCII digits only (no sign, '_' or other
-              scripts' digits)
+    index     skip, keep, overwrite: one or more block indices joined by ',', none twice; each
+              index ASCII digits only (no sign, '_' or other scripts' digits)
+    count     exit, min, speculate, k: ASCII digits only
     number    adaptive: ASCII digits with an optional fraction and exponent (0.9, .5, 1e-3)
-    check     cosine | probe
+    choice    check: cosine | probe
     together  skip or keep, not both; min and check only with adaptive; exit not with adaptive;
               k only with speculate; speculate not with exit or adaptive
     spaces    ignored around parts, keys, values and indices (' skip = 3, 4 ; exit=9'), refused inside
 
-``str(BlockSet)`` writes the canonical spec (sorted indices, no spaces, defaults left out), which
-parses back to an equal set. Errors name the part at fault, e.g. ``'skip=1,,2': empty index in skip``;
-``BlockSet`` fields are validated against the model's depth, naming the field at fault.
+``KEYS`` is that grammar as a table (spec key, ``BlockSet`` field, kind, default, the ``/predict``
+field, bounds, what a key needs and excludes): parsing, ``str()``, validation, the errors and the
+server's request fields (``serve.schema``) all read it. ``str(BlockSet)`` writes the canonical spec
+(sorted indices, no spaces, defaults left out), which parses back to an equal set. Errors are
+``BlockSetError``, which carries the key at fault: a spec names the part as written, e.g.
+``'skip=1,,2': empty index in skip``; a ``BlockSet`` checked against the model's depth names its field.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
-# spec key -> BlockSet field (keep is BlockSet.keep's argument)
-_FIELDS = {
-    "skip": "skip",
-    "keep": "keep",
-    "overwrite": "overwrite",
-    "exit": "exit_at",
-    "adaptive": "adaptive_threshold",
-    "min": "adaptive_min_blocks",
-    "check": "adaptive_check",
-    "speculate": "speculate",
-    "k": "draft_tokens",
-}
+Kind = Literal["index", "count", "number", "choice"]
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key of the spec grammar and the ``BlockSet`` field it sets."""
+
+    key: str
+    """As written in a spec: ``exit=6``."""
+    field: str
+    """The ``BlockSet`` field (keep: ``BlockSet.keep``'s argument, the complement of skip)."""
+    kind: Kind
+    default: object
+    """The field's value when the key is not given."""
+    request: str | None
+    """The field of a ``/predict`` body that names it too (None: only in a spec)."""
+    help: str
+    noun: str
+    """What an error calls it."""
+    metavar: str = "N"
+    """What its value is, in an error that asks for it."""
+    low: float | None = None
+    """count: the least value; number: the value it must exceed."""
+    high: float | None = None
+    """count, number: the largest value (a count without one is bounded by the model's depth)."""
+    choices: tuple[str, ...] = ()
+    needs: str | None = None
+    """The key it is meaningful only with."""
+    excludes: tuple[str, ...] = ()
+    """Keys it cannot be given with."""
+
+
+KEYS: dict[str, Key] = {
+    key.key: key
+    for key in (
+        Key("skip", "skip", "index", frozenset(), "skip", "Blocks that pass the stream through.", "skip"),
+        Key(
+            "keep", "keep", "index", None, "keep",
+            "Only these blocks run; the others pass the stream through.",
+            "keep", excludes=("skip",),
+        ),
+        Key(
+            "overwrite", "overwrite", "index", frozenset(), "overwrite",
+            "Blocks whose output is their own writes, not stream + writes.", "overwrite",
+        ),
+        Key(
+            "exit", "exit_at", "count", None, "exit_at", "Run blocks 0..exit_at-1, then read out.", "exit",
+            low=1, excludes=("adaptive",),
+        ),
+        Key(
+            "adaptive", "adaptive_threshold", "number", None, "adaptive",
+            "Adaptive exit: stop a token once its check reaches this threshold.", "adaptive exit",
+            "THRESHOLD", low=0.0, high=1.0,
+        ),
+        Key(
+            "min", "adaptive_min_blocks", "count", 1, "adaptive_min_blocks",
+            "Adaptive exit never stops a token before this many blocks.", "min", low=1, needs="adaptive",
+        ),
+        Key(
+            "check", "adaptive_check", "choice", "cosine", "adaptive_check",
+            "What the threshold applies to: cosine (state saturation) or the exit probe.", "check",
+            choices=("cosine", "probe"), needs="adaptive",
+        ),
+        Key(
+            "speculate", "speculate", "count", None, None,
+            "Self-speculative decoding: the blocks below this one draft, the rest verify.", "speculate",
+            "BLOCK", excludes=("exit", "adaptive"),
+        ),
+        Key(
+            "k", "draft_tokens", "count", 4, None, "Tokens drafted per round when speculating.", "k",
+            low=1, high=16, needs="speculate",
+        ),
+    )
+}  # fmt: skip
+"""The grammar's keys, in the order ``str()`` writes them."""
+_BY_FIELD = {key.field: key for key in KEYS.values()}
+
 # [0-9], not \d and not int() alone: both also take other scripts' digits, and int() takes '+6' and '1_2'
 _INDEX = re.compile(r"[0-9]+")
 _NUMBER = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
-_CHECKS = ("cosine", "probe")
 
 
-def _parse_value(key: str, value: str, part: str) -> object:
-    """The value of one ``key=value`` part; ValueError naming the part."""
-    if key in ("skip", "keep", "overwrite"):
+class BlockSetError(ValueError):
+    """A block set that cannot be run. ``key`` is the ``KEYS`` entry at fault (None: the spec as a
+    whole), ``reason`` what is wrong with it. The message names the part of a spec as written, else
+    the ``BlockSet`` field."""
+
+    def __init__(self, key: Key | None, reason: str, part: str | None = None):
+        self.key = key
+        self.reason = reason
+        super().__init__(f"{part!r}: {reason}" if part is not None else f"{key.field}: {reason}")
+
+
+def _parse_value(key: Key, value: str, part: str) -> object:
+    """The value of one ``key=value`` part, by the key's kind; BlockSetError naming the part."""
+    if key.kind == "index":
         indices = []
         for item in (item.strip(" ") for item in value.split(",")):
             if not item:
-                raise ValueError(f"{part!r}: empty index in {key}")
+                raise BlockSetError(key, f"empty index in {key.key}", part)
             if not _INDEX.fullmatch(item):
-                raise ValueError(f"{part!r}: {item!r} is not a block index (ASCII digits) in {key}")
-            if int(item) in indices:
-                raise ValueError(f"{part!r}: duplicated block index {int(item)} in {key}")
+                raise BlockSetError(key, f"{item!r} is not a block index (ASCII digits) in {key.key}", part)
             indices.append(int(item))
-        return tuple(indices)
-    if key in ("exit", "min", "speculate", "k"):
+        return indices
+    if key.kind == "count":
         if not _INDEX.fullmatch(value):
-            raise ValueError(f"{part!r}: {key} takes a whole number in ASCII digits, got {value!r}")
+            raise BlockSetError(key, f"{key.key} takes a whole number in ASCII digits, got {value!r}", part)
         return int(value)
-    if key == "adaptive":
+    if key.kind == "number":
         if not _NUMBER.fullmatch(value):
-            raise ValueError(f"{part!r}: adaptive takes a decimal number such as 0.9, got {value!r}")
+            raise BlockSetError(key, f"{key.key} takes a decimal number such as 0.9, got {value!r}", part)
         return float(value)
-    if value not in _CHECKS:
-        raise ValueError(f"{part!r}: check is 'cosine' or 'probe', got {value!r}")
+    if value not in key.choices:
+        raise BlockSetError(key, f"{key.key} is {' or '.join(map(repr, key.choices))}, got {value!r}", part)
     return value
+
+
+def check_together(given: Iterable[str]) -> None:
+    """BlockSetError unless the keys ``given`` (spec keys) may be given together (``Key.needs`` and
+    ``Key.excludes``); the key at fault is the one that needs or excludes."""
+    given = set(given)
+    for key in KEYS.values():
+        if key.key not in given:
+            continue
+        if key.needs is not None and key.needs not in given:
+            needed = KEYS[key.needs]
+            raise BlockSetError(key, f"only with {needed.key}={needed.metavar}")
+        for other in key.excludes:
+            if other in given:
+                raise BlockSetError(key, f"cannot be combined with {KEYS[other].noun}")
+
+
+def _distinct(key: Key, indices: Iterable[int]) -> frozenset[int]:
+    seen: set[int] = set()
+    for i in indices:
+        if i in seen:
+            raise BlockSetError(key, f"duplicated block index {i} in {key.key}")
+        seen.add(i)
+    return frozenset(seen)
 
 
 @dataclass(frozen=True)
 class BlockSet:
-    """Which Blocks run in one call. Indices count from 0."""
+    """Which Blocks run in one call. Indices count from 0. The fields' rules are ``KEYS``."""
 
     skip: frozenset[int] = field(default_factory=frozenset)
     overwrite: frozenset[int] = field(default_factory=frozenset)
-    exit_at: int | None = None
+    exit_at: int | None = KEYS["exit"].default
     """Run blocks 0..exit_at-1, then read out. None runs to the top."""
-    adaptive_threshold: float | None = None
+    adaptive_threshold: float | None = KEYS["adaptive"].default
     """Adaptive exit: stop a token once its stability score reaches this (0, 1]. None: off."""
-    adaptive_min_blocks: int = 1
+    adaptive_min_blocks: int = KEYS["min"].default
     """Adaptive exit never stops a token before this many blocks."""
-    adaptive_check: str = "cosine"
+    adaptive_check: str = KEYS["check"].default
     """What the threshold applies to: 'cosine' (state saturation, any model) or 'probe' (the
     probability of the model's exit probe, lab.exit_probe)."""
-    speculate: int | None = None
+    speculate: int | None = KEYS["speculate"].default
     """Self-speculative decoding: the set's blocks below this one draft tokens (read out through
     ln_f and the unembedding), the rest verify them in one pass. None: off. The tokens are the set's."""
-    draft_tokens: int = 4
+    draft_tokens: int = KEYS["k"].default
     """Tokens drafted per round when speculating."""
-
-    MAX_DRAFT_TOKENS = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "skip", frozenset(self.skip))
@@ -110,15 +210,26 @@ class BlockSet:
     @classmethod
     def keep(cls, keep: set[int] | list[int], n_layer: int, **kwargs) -> BlockSet:
         """Only ``keep`` runs; every other block of ``n_layer`` is skipped."""
-        kept = set(keep)
+        key = KEYS["keep"]
+        kept = _distinct(key, keep)
         if not kept:
-            raise ValueError("keep: needs at least one block")
-        if len(kept) != len(list(keep)):
-            raise ValueError(f"keep: duplicated block index in {sorted(keep)}")
-        out_of_range = sorted(i for i in kept if not 0 <= i < n_layer)
-        if out_of_range:
-            raise ValueError(f"keep: block indices {out_of_range} out of range 0..{n_layer - 1}")
+            raise BlockSetError(key, "needs at least one block")
+        _check_indices(key, kept, n_layer)
         return cls(skip=frozenset(range(n_layer)) - kept, **kwargs)
+
+    @classmethod
+    def from_values(cls, values: dict[str, object], n_layer: int) -> BlockSet:
+        """A validated set from values by spec key (lists of indices for skip, keep, overwrite), as a
+        spec or a request gives them; BlockSetError naming the key at fault."""
+        check_together(values)
+        fields = {}
+        for name, value in values.items():
+            key = KEYS[name]
+            fields[key.field] = _distinct(key, value) if key.kind == "index" else value
+        keep = fields.pop("keep", None)
+        if keep is not None:
+            return cls.keep(keep, n_layer, **fields).validate(n_layer)
+        return cls(**fields).validate(n_layer)
 
     @property
     def is_adaptive(self) -> bool:
@@ -132,45 +243,27 @@ class BlockSet:
         """The set whose output speculation reproduces (what scoring under this set measures)."""
         return BlockSet(skip=self.skip, overwrite=self.overwrite)
 
+    def given(self) -> dict[str, object]:
+        """The fields that differ from their defaults, by spec key, in ``KEYS``' order."""
+        values = {key.key: getattr(self, key.field) for key in KEYS.values() if key.key != "keep"}
+        return {name: value for name, value in values.items() if value != KEYS[name].default}
+
     def validate(self, n_layer: int) -> BlockSet:
-        """Raise ValueError naming the field when this set does not fit a model of ``n_layer`` blocks."""
-        for name, indices in (("skip", self.skip), ("overwrite", self.overwrite)):
-            bad = sorted(i for i in indices if not 0 <= i < n_layer)
-            if bad:
-                raise ValueError(f"{name}: block indices {bad} out of range 0..{n_layer - 1}")
+        """BlockSetError naming the field when this set does not fit a model of ``n_layer`` blocks."""
+        check_together(self.given())
+        for name, value in self.given().items():
+            _check_value(KEYS[name], value, n_layer)
         both = sorted(self.skip & self.overwrite)
         if both:
-            raise ValueError(f"overwrite: blocks {both} are also skipped")
-        if self.exit_at is not None and not 1 <= self.exit_at <= n_layer:
-            raise ValueError(f"exit_at: must be in 1..{n_layer}, got {self.exit_at}")
-        if self.is_adaptive:
-            if not 0.0 < self.adaptive_threshold <= 1.0:
-                raise ValueError(f"adaptive_threshold: must be in (0, 1], got {self.adaptive_threshold}")
-            if not 1 <= self.adaptive_min_blocks <= n_layer:
-                raise ValueError(
-                    f"adaptive_min_blocks: must be in 1..{n_layer}, got {self.adaptive_min_blocks}"
-                )
-            if self.exit_at is not None:
-                raise ValueError("exit_at: cannot be combined with adaptive exit")
-        if self.adaptive_check not in ("cosine", "probe"):
-            raise ValueError(f"adaptive_check: 'cosine' or 'probe', got {self.adaptive_check!r}")
-        if self.adaptive_check != "cosine" and not self.is_adaptive:
-            raise ValueError("adaptive_check: needs adaptive=THRESHOLD")
-        if self.adaptive_min_blocks != 1 and not self.is_adaptive:
-            raise ValueError("adaptive_min_blocks: needs adaptive=THRESHOLD")
+            raise BlockSetError(KEYS["overwrite"], f"blocks {both} are also skipped")
         if self.is_speculative:
-            if self.exit_at is not None or self.is_adaptive:
-                raise ValueError("speculate: cannot be combined with exit or adaptive exit")
             blocks = self.blocks_to_run(n_layer)
             if not any(i < self.speculate for i in blocks) or not any(i >= self.speculate for i in blocks):
-                raise ValueError(
-                    f"speculate: the set needs blocks both below and from {self.speculate} "
-                    f"(drafting and verifying), in 1..{n_layer - 1}"
+                raise BlockSetError(
+                    KEYS["speculate"],
+                    f"the set needs blocks both below and from {self.speculate} "
+                    f"(drafting and verifying), in 1..{n_layer - 1}",
                 )
-        if not 1 <= self.draft_tokens <= self.MAX_DRAFT_TOKENS:
-            raise ValueError(f"draft_tokens: must be in 1..{self.MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
-        if self.draft_tokens != 4 and not self.is_speculative:
-            raise ValueError("draft_tokens: needs speculate=BLOCK")
         return self
 
     def blocks_to_run(self, n_layer: int) -> list[int]:
@@ -181,62 +274,61 @@ class BlockSet:
     @classmethod
     def parse(cls, spec: str, n_layer: int) -> BlockSet:
         """A validated BlockSet for a model of ``n_layer`` blocks from a spec string (the grammar in
-        the module docstring); ValueError naming the part at fault."""
+        the module docstring); BlockSetError naming the part at fault."""
         if spec.strip(" ") == "all":
             return cls()
         if not spec.strip(" "):
-            raise ValueError(f"{spec!r}: empty spec (every block is 'all')")
+            raise BlockSetError(None, "empty spec (every block is 'all')", spec)
         values: dict[str, object] = {}
         parts: dict[str, str] = {}  # key -> its part as written, to name it in errors
         for part in (part.strip(" ") for part in spec.split(";")):
-            key, sep, value = (text.strip(" ") for text in part.partition("="))
+            name, sep, value = (text.strip(" ") for text in part.partition("="))
             if not part:
-                raise ValueError(f"{spec!r}: empty part (parts are key=value joined by ';')")
+                raise BlockSetError(None, "empty part (parts are key=value joined by ';')", spec)
             if part == "all":
-                raise ValueError(f"{spec!r}: 'all' stands alone")
+                raise BlockSetError(None, "'all' stands alone", spec)
             if not sep:
-                raise ValueError(f"{part!r}: expected key=value")
-            if key not in _FIELDS:
-                raise ValueError(f"{part!r}: unknown key {key!r} (known: {', '.join(_FIELDS)})")
-            if key in parts:
-                raise ValueError(f"{part!r}: {key} given twice (also {parts[key]!r})")
+                raise BlockSetError(None, "expected key=value", part)
+            if name not in KEYS:
+                raise BlockSetError(None, f"unknown key {name!r} (known: {', '.join(KEYS)})", part)
+            if name in parts:
+                raise BlockSetError(KEYS[name], f"{name} given twice (also {parts[name]!r})", part)
             if not value:
-                raise ValueError(f"{part!r}: {key} needs a value")
-            values[key], parts[key] = _parse_value(key, value, part), part
-        if "skip" in parts and "keep" in parts:
-            raise ValueError(f"{parts['keep']!r}: give skip or keep, not both")
-        for key in ("min", "check"):
-            if key in parts and "adaptive" not in parts:
-                raise ValueError(f"{parts[key]!r}: only with adaptive=THRESHOLD")
-        if "k" in parts and "speculate" not in parts:
-            raise ValueError(f"{parts['k']!r}: only with speculate=BLOCK")
-        keep = values.pop("keep", None)
-        fields = {_FIELDS[key]: value for key, value in values.items()}
+                raise BlockSetError(KEYS[name], f"{name} needs a value", part)
+            values[name], parts[name] = _parse_value(KEYS[name], value, part), part
         try:
-            if keep is not None:
-                return cls.keep(keep, n_layer, **fields).validate(n_layer)
-            return cls(**fields).validate(n_layer)
-        except ValueError as error:  # messages start with the field: say the part as written
-            name, _, message = str(error).partition(": ")
-            key = next((key for key, field_ in _FIELDS.items() if field_ == name), None)
-            raise ValueError(f"{parts.get(key, spec)!r}: {message}") from None
+            return cls.from_values(values, n_layer)
+        except BlockSetError as error:  # say the part as written
+            raise BlockSetError(error.key, error.reason, parts.get(error.key.key, spec)) from None
 
     def __str__(self) -> str:
-        parts = []
-        if self.skip:
-            parts.append("skip=" + ",".join(map(str, sorted(self.skip))))
-        if self.overwrite:
-            parts.append("overwrite=" + ",".join(map(str, sorted(self.overwrite))))
-        if self.exit_at is not None:
-            parts.append(f"exit={self.exit_at}")
-        if self.is_adaptive:
-            parts.append(f"adaptive={float(self.adaptive_threshold)!r}")  # repr: the shortest exact form
-            if self.adaptive_min_blocks != 1:
-                parts.append(f"min={self.adaptive_min_blocks}")
-            if self.adaptive_check != "cosine":
-                parts.append(f"check={self.adaptive_check}")
-        if self.is_speculative:
-            parts.append(f"speculate={self.speculate}")
-            if self.draft_tokens != 4:
-                parts.append(f"k={self.draft_tokens}")
+        parts = [f"{name}={_format(KEYS[name], value)}" for name, value in self.given().items()]
         return ";".join(parts) or "all"
+
+
+def _check_indices(key: Key, indices: frozenset[int], n_layer: int) -> None:
+    bad = sorted(i for i in indices if not 0 <= i < n_layer)
+    if bad:
+        raise BlockSetError(key, f"block indices {bad} out of range 0..{n_layer - 1}")
+
+
+def _check_value(key: Key, value: object, n_layer: int) -> None:
+    """One given field's bounds (``Key.low``, ``Key.high``, the depth, the choices)."""
+    if key.kind == "index":
+        _check_indices(key, value, n_layer)
+    elif key.kind == "count" and key.low is not None:
+        high = n_layer if key.high is None else int(key.high)
+        if not key.low <= value <= high:
+            raise BlockSetError(key, f"must be in {key.low}..{high}, got {value}")
+    elif key.kind == "number" and not key.low < value <= key.high:
+        raise BlockSetError(key, f"must be in ({key.low:g}, {key.high:g}], got {value}")
+    elif key.kind == "choice" and value not in key.choices:
+        raise BlockSetError(key, f"{' or '.join(map(repr, key.choices))}, got {value!r}")
+
+
+def _format(key: Key, value: object) -> str:
+    if key.kind == "index":
+        return ",".join(map(str, sorted(value)))
+    if key.kind == "number":
+        return repr(float(value))  # the shortest exact form
+    return str(value)

@@ -5,7 +5,7 @@ the token the full stack would pick (CALM's trained confidence, Schuster et al. 
     save_exit_probe(probe, directory)        # exit_probe.safetensors beside the weights
     # blocks "adaptive=0.9;check=probe": exit once the probe says 0.9
 
-State saturation (the default check, ``lab.generate.stability``) asks whether the stream stopped
+State saturation (the default check, ``lab.decode.stability``) asks whether the stream stopped
 turning; it turns by a few degrees per block all the way up, so its cosine crosses a threshold at
 about the same depth for every token. The probe asks the question exit needs answered, learned from
 the model itself: it reads the same ``ln_f`` output, one logistic regression per block (D weights

@@ -86,8 +86,19 @@ class Parser(ArgumentParser):
         for name, hint in _names_and_hints(options).items():
             if name not in skip:
                 self.kinds[name] = _kind(hint)
+                self._show_dashed(name)
         if defaults:
             self.set_defaults(defaults)
+
+    def _show_dashed(self, name: str) -> None:
+        """``--help`` shows the flag ``--field_name`` as the shell spelling ``--field-name`` (``parse``
+        translates that spelling back; argparse's table of flags keeps both)."""
+        flag = f"--{name}"
+        action = self._option_string_actions.get(flag)
+        if action is not None and "_" in name:
+            dashed = flag.replace("_", "-")
+            action.option_strings[action.option_strings.index(flag)] = dashed
+            self._option_string_actions[dashed] = action
 
     def parse(self, argv: Sequence[str]) -> Namespace:
         """``argv`` parsed (argparse's spellings first translated); a bad flag or value is a UserError."""

@@ -142,12 +142,9 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         pos: int | list[int] = 0,
-        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``mask`` [B, 1, T, S] (True: may attend) replaces the causal rule, for left-padded batches.
-
-        ``cache`` as a list: one cache per row ([1, H, T_max, Dh] each), each row at its own position
-        ``pos[b]``: rows of different sequences decoded together (``lab.generate.decode_rows``).
+        """``cache`` as a list: one cache per row ([1, H, T_max, Dh] each), each row at its own position
+        ``pos[b]``: rows of different sequences decoded together (``lab.decode.decode_rows``).
         """
         B, T, D = x.shape
         H, Dh = self.n_head, self.head_dim
@@ -172,13 +169,10 @@ class CausalSelfAttention(nn.Module):
         eager = self.attention == "eager" or self.scores.is_hooked or self.pattern.is_hooked
         if eager:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(Dh)  # [B, H, T, S]
-            allowed = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-            allowed = allowed if mask is None else mask  # [T, S] or [B, 1, T, S]
+            allowed = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)  # [T, S]
             scores = self.scores(scores.masked_fill(~allowed, float("-inf")))
             pattern = self.pattern(F.softmax(scores, dim=-1))  # [B, H, T, S]
             y = F.dropout(pattern, dropout, self.training) @ v  # [B, H, T, Dh]
-        elif mask is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)  # [B, H, T, Dh]
         elif T == 1:
             y = F.scaled_dot_product_attention(q, k, v)  # [B, H, 1, Dh]: the newest token sees all
         elif T == S:
@@ -270,17 +264,16 @@ class Block(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         pos: int | list[int] = 0,
         overwrite: bool | torch.Tensor = False,
-        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``cache`` and ``pos``: see ``CausalSelfAttention.forward``."""
         x = self.resid_pre(x)  # [B, T, D]
         if self.norm_first:  # pre, peri: the stream is the plain sum of what the stages write
-            attn_out = self.attn_out(self.ln_1_out(self.attn(self.ln_1(x), cache, pos, mask)))  # [B, T, D]
+            attn_out = self.attn_out(self.ln_1_out(self.attn(self.ln_1(x), cache, pos)))  # [B, T, D]
             mid = self.resid_mid(x + attn_out)
             mlp_out = self.mlp_out(self.ln_2_out(self.mlp(self.ln_2(mid))))  # [B, T, D]
             out = mid + mlp_out
         else:  # post, deepnorm: each sum is normalised
-            attn_out = self.attn_out(self.attn(x, cache, pos, mask))  # [B, T, D]
+            attn_out = self.attn_out(self.attn(x, cache, pos))  # [B, T, D]
             mid = self.resid_mid(self.ln_1(self.alpha * x + attn_out))
             mlp_out = self.mlp_out(self.mlp(mid))  # [B, T, D]
             out = self.ln_2(self.alpha * mid + mlp_out)
@@ -316,20 +309,6 @@ class KVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]  # [B, H, T_max, Dh] each
-
-
-def padding_mask(padding: torch.Tensor, pos: int, T: int) -> torch.Tensor:
-    """Attention mask [B, 1, T, S] (True: may attend) for left-padded rows: ``padding`` [B] pad tokens
-    lead each row; queries at cache indices pos..pos+T-1, S = pos + T keys.
-
-    A real query reads the real keys up to itself. A pad query reads only itself: never read by real
-    queries, it just has to stay finite (a row of -inf would give NaN values, and 0 x NaN is NaN).
-    """
-    query = torch.arange(pos, pos + T, device=padding.device)[:, None]  # [T, 1]
-    key = torch.arange(pos + T, device=padding.device)[None, :]  # [1, S]
-    real_key = key >= padding[:, None, None]  # [B, 1, S]
-    allowed = ((key <= query) & real_key) | (key == query)  # [B, T, S]
-    return allowed[:, None]  # [B, 1, T, S]
 
 
 class GPT(nn.Module):
@@ -392,25 +371,20 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n if include_position_table else n - self.wpe.weight.numel()
 
-    def embed_tokens(
-        self, idx: torch.Tensor, pos: int | torch.Tensor = 0, padding: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def embed_tokens(self, idx: torch.Tensor, pos: int | torch.Tensor = 0) -> torch.Tensor:
         """The stream's first write: token plus position embeddings. idx [B, T] -> [B, T, D].
 
         ``pos``: the first position, or [B] one per row (rows of different sequences decoded together).
-        ``padding`` [B]: each row's count of leading pad tokens, so its first real token is at position 0.
         """
         B, T = idx.shape
         if isinstance(pos, torch.Tensor):
             end = int(pos.max()) + T
             positions = pos[:, None] + torch.arange(T, device=idx.device)  # [B, T]
         else:
-            end = pos + T - (0 if padding is None else int(padding.min()))  # the longest row's length
+            end = pos + T
             positions = torch.arange(pos, pos + T, device=idx.device)  # [T]
         if end > self.config.block_size:
             raise ValueError(f"{end} positions exceed the context length {self.config.block_size}")
-        if padding is not None:
-            positions = (positions - padding[:, None]).clamp(min=0)  # [B, T]
         return self.embed(self.drop(self.wte(idx) + self.wpe(positions)))  # [B, T, D]
 
     ZERO_ROW_SHARE = 0.1
@@ -468,7 +442,6 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         pos: int = 0,
         overwrite: Collection[int] = (),
-        mask: torch.Tensor | None = None,
         keep: Callable[[int], torch.Tensor] | None = None,
         after: Callable[[int, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
@@ -483,7 +456,7 @@ class GPT(nn.Module):
         """
         for i in blocks:
             layer_cache = cache.layer(i) if cache is not None else None
-            out = self.blocks[i](x, layer_cache, pos, overwrite=i in overwrite, mask=mask)  # [B, T, D]
+            out = self.blocks[i](x, layer_cache, pos, overwrite=i in overwrite)  # [B, T, D]
             x = out if keep is None else torch.where(keep(i), out, x)  # [B, T, D]
             if after is not None:
                 after(i, x)
@@ -494,15 +467,13 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         cache: KVCache | None = None,
         block_set: BlockSet | None = None,
-        padding: torch.Tensor | None = None,
         layer_keep: torch.Tensor | None = None,
         taps: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The stream [B, T, D] leaving the set's blocks for tokens idx [B, T]: forward without the read-out.
 
         Callers that need only some positions' logits (the last one, when decoding) unembed just those.
-        ``padding`` [B]: rows of different lengths, left-padded (see ``padding_mask``); pass the same
-        padding with every later call on the same cache. Training (LayerSkip's recipe, ``lab.train``):
+        Training (LayerSkip's recipe, ``lab.train``):
         ``layer_keep`` [L, B] says per block which rows run it (the others' streams pass through:
         layer dropout), and ``taps`` receives the stream after each block run, by block index.
         """
@@ -512,15 +483,13 @@ class GPT(nn.Module):
         pos = cache.length if cache is not None else 0
         if cache is not None and pos + idx.size(1) > cache.max_len:
             raise ValueError(f"{pos + idx.size(1)} positions exceed the cache's {cache.max_len}")
-        x = self.embed_tokens(idx, pos, padding)  # [B, T, D]
-        mask = None if padding is None else padding_mask(padding, pos, idx.size(1))  # [B, 1, T, S]
+        x = self.embed_tokens(idx, pos)  # [B, T, D]
         x = self.run_blocks(
             x,
             block_set.blocks_to_run(len(self.blocks)),
             cache,
             pos,
             block_set.overwrite,
-            mask,
             keep=None if layer_keep is None else lambda i: layer_keep[i][:, None, None],  # [B, 1, 1]
             after=None if taps is None else taps.__setitem__,
         )  # [B, T, D]
@@ -533,7 +502,6 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         cache: KVCache | None = None,
         block_set: BlockSet | None = None,
-        padding: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] for tokens idx [B, T], continuing ``cache`` when one is given."""
-        return self.unembed(self.residual_stream(idx, cache, block_set, padding))  # [B, T, V]
+        return self.unembed(self.residual_stream(idx, cache, block_set))  # [B, T, V]

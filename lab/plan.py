@@ -192,7 +192,7 @@ class LossMeter:
             if block_set.is_adaptive:
                 scores = [score(self.model, w, block_set) for w in self.windows]
                 total = sum(s.mean_loss * len(s.token_losses) for s in scores)
-                ran = sum(len(blocks) for s in scores for blocks in s.blocks_per_token)
+                ran = sum(sum(s.blocks_per_token) for s in scores)
             else:
                 total = self._fixed_total(block_set)
                 ran = len(block_set.blocks_to_run(self.model.config.n_layer)) * self.tokens
@@ -621,7 +621,7 @@ def main(argv: list[str]) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     from lab import tokens
-    from lab.quantize import load
+    from lab.weights import load_model
 
     started = time.perf_counter()
     if args.threads:
@@ -630,7 +630,7 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError(f"--tokens must be >= 2 and --window >= 1, got {args.tokens} and {args.window}")
     if args.url is not None:
         check_loopback(args.url)
-    model = load(args.model, args.dtype).eval()
+    model = load_model(args.model, args.dtype).eval()
     windows, text = read_windows(model, args.prompts, args.tokens, args.window)
     latency = None
     if args.url is not None:

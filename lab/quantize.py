@@ -1,13 +1,13 @@
 """Weight-only int8 and int4 for batch-1 decoding on the CPU: fewer bytes per token, bf16 activations.
 
-    model = load("builtin", "int4")          # or "int8"; "float32" / "bfloat16" load as usual
-    quantize(model, "int8")                  # in place, on a bf16 model already loaded
+    model = lab.weights.load_model("builtin", "int4")   # or "int8": the loader quantizes
+    quantize(model, "int8")                             # in place, on a bf16 model already loaded
 
 A decoding step reads every weight once, so its time is the weight bytes over the rate the kernels
-stream them (docs/inference.md). On the CPUs here torch's bf16 matrix-vector kernel is compute-bound
-(~15 GB/s streamed, where fp32 reaches ~22): bf16 halves the bytes but saves only a quarter of the
-time. torch ships fused dequantize-and-multiply kernels for weight-only quantization, the ones that
-gpt-fast and torchao use on the CPU, and this module puts them behind ``lab.model.Linear``'s interface:
+stream them; torch's bf16 matrix-vector kernel is compute-bound on CPUs without AVX512-BF16, so
+bf16 alone saves less time than bytes (docs/inference.md has the rates). torch ships fused
+dequantize-and-multiply kernels for weight-only quantization, the ones that gpt-fast and torchao
+use on the CPU, and this module puts them behind ``lab.model.Linear``'s interface:
 
 - int8: one symmetric scale per output row (``torch.ops.aten._weight_int8pack_mm``);
 - int4: asymmetric, a scale and a zero point per group of 64 inputs of a row (32 where 64 does not divide)
@@ -17,23 +17,26 @@ Every ``Linear`` of the blocks becomes a ``QuantizedLinear`` and the tied unembe
 copy of the token table (``GPT.read_out``); the embedding lookup keeps the bf16 table. Norms, biases,
 attention and the KV cache stay bf16. Hooks, block sets and adaptive exit work unchanged; training
 does not (the weights are buffers). Dynamic int8 (activations quantized too, fbgemm's
-``linear_dynamic``) streams faster but cost the builtin model +0.9 nats/token: the residual stream's
-outlier features do not survive one scale per tensor.
+``linear_dynamic``) streams faster but costs far more loss: the residual stream's outlier features do
+not survive one scale per tensor (docs/inference.md).
 """
 
 from __future__ import annotations
+
+from typing import Literal, get_args
 
 import torch
 from torch import nn
 
 from lab.model import GPT, Linear
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8", "int4")
-"""What ``load`` accepts: plain weights in torch's dtypes, or weight-only quantization."""
+WeightDtype = Literal["float32", "bfloat16", "float16", "int8", "int4"]
+"""What ``lab.weights.load_model`` accepts: plain weights in torch's dtypes, or weight-only quantization."""
+WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
 
 INT4_GROUP_SIZES = (64, 32)
 """Inputs sharing a scale and zero point, tried in this order (the kernel takes 32, 64, 128 or 256;
-on the builtin model 64 cost +0.004 nats/token, 32 +0.019, 128 +0.006)."""
+docs/inference.md has what each costs the builtin model)."""
 
 
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,16 +153,3 @@ def parameter_count(model: GPT) -> int:
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m is not model.read_out]
     stored = sum(m.in_features * m.out_features + (0 if m.bias is None else m.out_features) for m in linears)
     return model.num_params() + stored
-
-
-def load(spec: str, dtype: str = "float32", device: torch.device | str = "cpu", **kwargs) -> GPT:
-    """``lab.weights.load_model`` with ``dtype`` one of ``WEIGHT_DTYPES`` (int8/int4: CPU only)."""
-    from lab.weights import load_model
-
-    if dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"dtype: one of {', '.join(WEIGHT_DTYPES)}; got {dtype!r}")
-    if dtype in ("int8", "int4") and torch.device(device).type != "cpu":
-        raise ValueError(f"dtype {dtype}: weight-only quantization runs on the CPU, not {device}")
-    if dtype not in ("int8", "int4"):
-        return load_model(spec, dtype=getattr(torch, dtype), device=device, **kwargs)
-    return quantize(load_model(spec, dtype=torch.bfloat16, device=device, **kwargs), dtype)

@@ -6,6 +6,7 @@
     model = load_model("path/to/hf_dir")     # config.json + model.safetensors | pytorch_model.bin
     model = load_model("path/to/ckpt.pt")    # a nanoGPT checkpoint (model_args + model)
     model = load_model("path/to/model_dir")  # our format: blocklab.json + model.safetensors (save_model)
+    model = load_model("builtin", "int4")    # weights in bfloat16 | float16, or weight-only int8 | int4
 
 Every source is mapped to our parameter names, then checked key by key and shape by shape against
 the model its config describes; a mismatch names the key. Layouts: our ``Linear`` stores [in, out],
@@ -34,6 +35,7 @@ from lab.errors import UserError
 from lab.exit_probe import FILE as EXIT_PROBE_FILE
 from lab.exit_probe import load_exit_probe, save_exit_probe
 from lab.model import GPT
+from lab.quantize import WEIGHT_DTYPES, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -415,12 +417,29 @@ def locate(spec: str) -> Path | None:
 
 def load_model(
     spec: str,
+    dtype: str | torch.dtype = "float32",
     *,
-    dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     attention: str | None = None,
 ) -> GPT:
-    """A GPT in eval mode from a spec (see the module docstring). ``attention``: 'eager' | 'sdpa' override."""
+    """A GPT in eval mode from a spec (see the module docstring), the one loader of every command.
+
+    ``dtype``: one of ``lab.quantize.WEIGHT_DTYPES`` (``float32``, ``bfloat16``, ``float16``, or
+    ``int8`` / ``int4``: weight-only quantized, CPU only), or a torch floating dtype.
+    ``attention``: 'eager' | 'sdpa' override.
+    """
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    if name not in WEIGHT_DTYPES:
+        raise UserError(f"dtype: one of {', '.join(WEIGHT_DTYPES)}; got {dtype!r}")
+    quantized = name in ("int8", "int4")
+    if quantized and torch.device(device).type != "cpu":
+        raise UserError(f"dtype {name}: weight-only quantization runs on the CPU, not {device}")
+    # quantized weights are made from bf16 ones, the activations' dtype
+    model = _load(spec, torch.bfloat16 if quantized else getattr(torch, name), device, attention)
+    return quantize(model, name) if quantized else model
+
+
+def _load(spec: str, dtype: torch.dtype, device: torch.device | str, attention: str | None) -> GPT:
     overrides = {} if attention is None else {"attention": attention}
     if spec == "gpt2-random":
         return random_model("gpt2", dtype=dtype, device=device, **overrides)

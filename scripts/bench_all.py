@@ -31,6 +31,7 @@ from json import dumps, loads
 from pathlib import Path
 
 from lab import flags
+from lab.machine import cpu_description
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,23 +136,9 @@ def headline(runs: dict) -> list[tuple[str, str, str]]:
 
 def builtin_models() -> list[str]:
     """The builtin models made on this machine (the speculation benchmark runs on each)."""
-    from lab.weights import BUILTIN_MODELS, FORMAT_FILE, builtin_dir
+    from lab.weights import BUILTIN_MODELS, FORMAT_FILE, builtin_source
 
-    return [name for name in BUILTIN_MODELS if (builtin_dir(name) / FORMAT_FILE).exists()]
-
-
-def cpu_description() -> str:
-    """The CPU's model and its widest vector units (bf16 and fp32 speeds hinge on them), from Linux's
-    /proc/cpuinfo; the architecture elsewhere."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine()
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    model = fields.get("model name\t", platform.machine()).strip()
-    flags = set(fields.get("flags\t\t", "").split())
-    units = [name for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if name in flags]
-    return f"{model} ({', '.join(units) or 'no AVX2'})"
+    return [name for name in BUILTIN_MODELS if (builtin_source(name) / FORMAT_FILE).exists()]
 
 
 def render(runs: dict, meta: dict) -> str:

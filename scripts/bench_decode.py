@@ -40,10 +40,11 @@ import torch.nn.functional as F
 from lab import flags, tokens
 from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
-from lab.generate import Decoder, score, stability
+from lab.decode import Decoder, stability
+from lab.generate import score
 from lab.model import GPT, Linear
-from lab.quantize import QuantizedLinear, load
-from lab.weights import BUILTIN_MODELS, builtin_dir
+from lab.quantize import QuantizedLinear
+from lab.weights import BUILTIN_MODELS, builtin_source, load_model
 
 LOW_PRECISION = ("bfloat16", "int8", "int4")
 """Weights besides fp32 that decoding is measured with (lab.quantize)."""
@@ -176,9 +177,9 @@ def held_out_windows(length: int, count: int = 4) -> list[tuple[str, list[int]]]
 def builtin_quality(name: str = "builtin") -> dict | None:
     """On a builtin model (if created), on held-out files: the loss change of bf16, int8 and int4
     weights, and loss vs mean blocks per token for adaptive-exit thresholds and for fixed early exits."""
-    if not (builtin_dir(name) / "blocklab.json").exists():
+    if not (builtin_source(name) / "blocklab.json").exists():
         return None
-    fp32 = load(name)
+    fp32 = load_model(name)
     n = fp32.config.n_layer
     windows = held_out_windows(fp32.config.block_size + 1)
 
@@ -190,7 +191,7 @@ def builtin_quality(name: str = "builtin") -> dict | None:
         }
 
     loss32 = mean_score(fp32, "all")["loss"]
-    losses = {dtype: mean_score(load(name, dtype), "all")["loss"] for dtype in LOW_PRECISION}
+    losses = {dtype: mean_score(load_model(name, dtype), "all")["loss"] for dtype in LOW_PRECISION}
     specs = [f"adaptive={t};min=2" for t in (1.0, 0.999, 0.995, 0.99, 0.98, 0.95)]
     if fp32.exit_probe is not None:
         specs += [f"adaptive={t};min=2;check=probe" for t in (0.95, 0.9, 0.8, 0.7, 0.5)]
@@ -291,7 +292,7 @@ def main(
     if quality_only:
         results = {name: builtin_quality(name) for name in BUILTIN_MODELS}
     else:
-        models = {dtype: load("gpt2-random", dtype) for dtype in ("float32", *LOW_PRECISION)}
+        models = {dtype: load_model("gpt2-random", dtype) for dtype in ("float32", *LOW_PRECISION)}
         ours = models["float32"]
         prompt = torch.randint(
             0, 50257, (prompt_tokens,), generator=torch.Generator().manual_seed(0)

@@ -6,13 +6,13 @@ invariance).
     python scripts/bench_serve.py --json                            # the numbers as JSON
     python scripts/bench_serve.py --only scheduling --models gpt2-random:int4 builtin:float32
 
-1. Overhead at batch 1: the same one-token request to a tiny model, in-process (``BlockLabAPI``'s
-   decode_request + predict, what a worker runs) and over HTTP to a real server (keep-alive, one
+1. Overhead at batch 1: the same one-token request to a tiny model, in-process (``serve.schema.resolve``
+   and the worker's engine, what the server runs besides HTTP) and over HTTP to a real server (keep-alive, one
    client); overhead = difference of the p50s. Target: <= 1.5 ms.
 2. Throughput: GPT-2-small-shaped random weights (``gpt2-random``), requests with 16 new tokens,
    from 1 client and from 8 clients at once; ratio of requests per second. Target: >= 2x, which only
    batching can give (the 8 share forward passes). Measured twice: every prompt the same, and
-   prompts of 8 different lengths (left-padded into one batch, see ``serve.engine``).
+   prompts of 8 different lengths (each row has its own cache, see ``serve.engine``).
 3. Latency with blocks skipped: the same requests one at a time under ``all``, half the blocks
    skipped, and an exit at half depth.
 4. The scheduler, per model (``--models SPEC:DTYPE``; GPT-2 small shapes in int4 and the builtin
@@ -45,9 +45,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from serve.api import BlockLabAPI, SharedState
-from serve.schema import PredictRequest
+from serve.schema import PredictRequest, resolve
+from serve.shared import SharedState
 from serve.testing import ServerProcess, TinyModel, free_port
+from serve.worker import Worker
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find"
 
@@ -74,11 +75,12 @@ def overhead(repeats: int) -> dict:
     """In-process, our server and a bare FastAPI endpoint in turn, so all see the same machine load."""
     body = {"prompt": "The quick brown fox", "max_new_tokens": 1, "seed": 0}
     torch.set_num_threads(1)  # as the server's worker below
-    api = BlockLabAPI(TinyModel(), SharedState(max_in_flight=1))
-    api.load("cpu")
+    worker = Worker(TinyModel(), SharedState(slots=1))
+    worker.load("cpu")
+    limits = worker.shared.limits()
 
     def in_process() -> None:
-        for _ in api.predict([api.decode_request(PredictRequest(**body))]):
+        for _ in worker.engine.run([(0, resolve(PredictRequest(**body), limits))]):
             pass
 
     bare_port = free_port()

@@ -27,8 +27,10 @@ import torch
 from lab import flags, tokens
 from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
-from lab.generate import SpeculationStats, generate
-from lab.quantize import WEIGHT_DTYPES, load
+from lab.generate import generate
+from lab.quantize import WEIGHT_DTYPES
+from lab.speculate import SpeculationStats
+from lab.weights import load_model
 
 
 def prompts_from_stdlib(count: int, length: int) -> list[list[int]]:
@@ -116,7 +118,7 @@ def main(
         json: Print the results as one JSON object instead of a line per setting.
     """
     torch.set_num_threads(threads)
-    loaded = load(model, dtype)
+    loaded = load_model(model, dtype)
     texts = prompts_from_stdlib(prompts, prompt_tokens)
     decode(loaded, texts[:1], 8, BlockSet())  # warm-up
     rows = []

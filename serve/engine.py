@@ -12,8 +12,12 @@ iteration-level scheduling, as vLLM, TGI and SGLang do it). Each tick:
    pass per tick, not for its whole prefill; and chunk boundaries depend on the prompt alone, so a
    prompt's losses are the same whatever else is running;
 3. decode: every prefilled row takes one step together, whatever its block set
-   (``lab.generate.decode_rows``): block i runs on the rows whose set includes it, exit rows stop at
-   their block, adaptive rows decide per token.
+   (``lab.decode.decode_rows``): block i runs on the rows whose set includes it, exit rows stop at
+   their block, adaptive rows decide per token; a speculating row runs a round of its own.
+
+Each row is a ``lab.generate.Generation``: the sampler and the stopping rules (end-of-text,
+``min_tokens``, ``ignore_eos``, stop strings, the length, the deadline) are ``lab.generate``'s own,
+so a request decodes here exactly as ``lab.generate.generate`` decodes it alone.
 
 With ``batch_invariant`` (the default) the decode step runs under ``lab.model.rows_alone``: every
 row's logits are bit for bit those it gets alone, so a seeded request draws the same tokens whether
@@ -28,63 +32,32 @@ happened through a ``Tally``.
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from lab import generate as lab_generate
 from lab import tokens
-from lab.blocks import BlockSet
-from lab.generate import Decoder, SpeculationStats, Speculator, decode_rows, pick_token
+from lab.decode import decode_rows
+from lab.generate import Generation, Step
 from lab.model import GPT, rows_alone
+from lab.sampling import SamplingError
 from serve.schema import (
     DoneEvent,
-    ErrorEvent,
+    Job,
     PredictResponse,
     PromptScore,
     Speculation,
     Timings,
     TokenEvent,
+    error_event,
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Job:
-    """One request, resolved for the served model."""
-
-    request_id: str | None
-    prompt_tokens: list[int]
-    block_set: BlockSet
-    max_new_tokens: int
-    temperature: float
-    top_k: int | None
-    seed: int
-    score: bool
-    stream: bool
-    submitted_at: float
-    """``time.monotonic()`` when the request was queued."""
-    cancelled: Callable[[], bool] = lambda: False
-    """True once the client is gone: the job stops without another event."""
-    deadline: float = float("inf")
-    """``time.monotonic()`` past which the job ends with a 504 error event at its next step."""
-    top_p: float = 1.0
-    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches this."""
-    min_tokens: int = 0
-    """The end-of-text token is not drawn before this many new tokens."""
-    ignore_eos: bool = False
-    """Generate ``max_new_tokens`` whatever is drawn: end-of-text does not stop the job (load tools)."""
-    stop: tuple[str, ...] = ()
-    """Strings that end the job once the generated text contains one (finish_reason 'stop'); the
-    text returned ends before it."""
-
 
 COUNTERS = (
     "tokens_generated",
@@ -99,9 +72,16 @@ COUNTERS = (
 Tally = Callable[[str, int], None]
 """Adds a count to one of ``COUNTERS``."""
 
+Events = list[tuple[Hashable, dict]]
+"""(key, event) pairs: each job's news, in order."""
+
 
 def no_tally(name: str, count: int) -> None:
     """The default ``Tally``: nothing is counted (in-process use, tests)."""
+
+
+def never_cancelled() -> bool:
+    return False
 
 
 def _ms(seconds: float) -> float:
@@ -119,39 +99,31 @@ def _scores(model: GPT, stream: torch.Tensor, targets: list[int]) -> torch.Tenso
     return torch.stack([losses, top_tokens.float(), top_losses], -1)  # [n, 3]
 
 
-class _Progress:
-    """One job's output so far, and the events that report it."""
+def _failed(key: Hashable, error: Exception) -> tuple[Hashable, dict]:
+    return key, error_event(500, f"{type(error).__name__}: {error}")
+
+
+class _Report:
+    """One job's timings, score and blocks per token, and the events that report them."""
 
     def __init__(self, job: Job, started_at: float):
         self.job = job
         self.started_at = started_at
         self.batch_size = 1  # the most rows that shared one of its steps
         self.prefill_s = 0.0
-        self.new_tokens: list[int] = []
         self.blocks_per_token: list[int] = []
         self.token_times: list[float] = []
-        self.score: dict | None = None
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""
-        self.stopped_at: int | None = None  # where a stop string begins in ``text``, once one appears
-        self.speculation: SpeculationStats | None = None
+        self.score: PromptScore | None = None
 
-    def token(self, token: int, blocks: int) -> dict | None:
-        """Record a new token; its event when the job streams."""
+    def token(self, step: Step, index: int) -> dict | None:
+        """Note a new token; its event when the job streams."""
         self.token_times.append(time.monotonic())
-        self.new_tokens.append(token)
-        self.blocks_per_token.append(blocks)
-        piece = self.decoder.decode(tokens.decode_token_bytes(token))
-        self.text += piece
-        if self.job.stop:
-            longest = max(map(len, self.job.stop))
-            tail_from = max(0, len(self.text) - len(piece) - longest + 1)  # only new matches
-            found = [at for at in (self.text.find(s, tail_from) for s in self.job.stop) if at >= 0]
-            self.stopped_at = min(found) if found else None
+        self.blocks_per_token.append(len(step.blocks_run))
         if not self.job.stream:
             return None
-        index = len(self.new_tokens) - 1
-        return TokenEvent(index=index, token=token, text=piece, blocks=blocks).model_dump()
+        return TokenEvent(
+            index=index, token=step.token, text=step.text, blocks=len(step.blocks_run)
+        ).model_dump()
 
     def scored(self, scores: torch.Tensor) -> None:
         """From ``_scores``' [n, 3], or losses [n] alone (adaptive exit, through lab.generate.score)."""
@@ -166,18 +138,18 @@ class _Progress:
             top_losses=scores[:, 2].tolist(),
         )
 
-    def done(self, finish_reason: str, blocks_run: list[int] | None) -> dict:
+    def done(self, generation: Generation, blocks_run: list[int] | None) -> dict:
         now, job = time.monotonic(), self.job
         times, per_token = self.token_times, self.blocks_per_token
         mean_blocks = sum(per_token) / len(per_token) if per_token else float(len(blocks_run or ()))
-        text = tokens.decode(self.new_tokens) if self.stopped_at is None else self.text[: self.stopped_at]
+        speculation = generation.speculation
         response = PredictResponse(
             id=job.request_id,
-            text=text,
-            tokens=self.new_tokens,
+            text=generation.text,
+            tokens=generation.tokens,
             prompt_tokens=len(job.prompt_tokens),
-            finish_reason=finish_reason,
-            seed=job.seed,
+            finish_reason=generation.finish_reason,
+            seed=job.sampling.seed,
             block_set=str(job.block_set),
             blocks_run=blocks_run,
             blocks_per_token=per_token,
@@ -191,22 +163,23 @@ class _Progress:
                 total_ms=_ms(now - job.submitted_at),
             ),
             batch_size=self.batch_size,
-            speculation=None if self.speculation is None else Speculation.of(self.speculation),
+            speculation=None if speculation is None else Speculation.of(speculation),
         )
         return DoneEvent(response=response).model_dump()
 
 
-def error_event(status: int, message: str) -> dict:
-    return ErrorEvent(status=status, message=message).model_dump()
-
-
 class _Row:
-    """A job in the engine: its decoder (cache and position), sampler state and progress."""
+    """A job in the engine: its generation (cache, position, sampler, stopping rules) and report."""
 
-    def __init__(self, key: Hashable, job: Job, model: GPT, started_at: float):
+    def __init__(self, key: Hashable, job: Job, model: GPT, cancelled: Callable[[], bool], started_at: float):
         self.key = key
         self.job = job
-        self.progress = _Progress(job, started_at)
+        self.cancelled = cancelled
+        self.report = _Report(job, started_at)
+        self.generation = Generation(
+            model, job.prompt_tokens, job.max_new_tokens, job.sampling, job.block_set,
+            eos_token=tokens.EOT, deadline=job.deadline, detokenize=True,
+        )  # fmt: skip
         prompt = job.prompt_tokens
         generating = job.max_new_tokens > 0
         self.scoring = job.score or not generating
@@ -214,23 +187,15 @@ class _Row:
         self.feed = prompt if generating else prompt[:-1]
         # adaptive exit's losses come from its own pass (lab.generate.score), not from the prefill
         self.loss_targets = prompt[1:] if self.scoring and not job.block_set.is_adaptive else []
-        max_len = len(self.feed) + job.max_new_tokens
-        if job.block_set.is_speculative:  # its own rounds, not the shared steps (see Engine.tick)
-            self.speculator: Speculator | None = Speculator(model, job.block_set, max_len)
-            self.decoder = self.speculator.decoder
-            self.progress.speculation = self.speculator.stats
-        else:
-            self.speculator = None
-            self.decoder = Decoder(model, job.block_set, max_len=max_len)
-        self.generator = torch.Generator(device=model.wte.weight.device).manual_seed(job.seed)
-        self.fixed_blocks = None if job.block_set.is_adaptive else self.decoder.blocks
+        decoder = self.generation.decoder
+        self.fixed_blocks = None if job.block_set.is_adaptive else decoder.blocks
         self.fed = 0  # prompt tokens prefilled so far
         self.scores: list[torch.Tensor] = []  # per prefill chunk, _scores' [n, 3]
-        self.last_token: int | None = None  # the token to feed at the next step, once prefilled
+        self.prefilled = False
 
     @property
-    def prefilled(self) -> bool:
-        return self.last_token is not None
+    def speculating(self) -> bool:
+        return self.generation.speculator is not None
 
 
 class Engine:
@@ -251,6 +216,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.batch_invariant = batch_invariant
         self.rows: list[_Row] = []  # in arrival order
+        self.refused: Events = []  # jobs ``add`` could not take, answered at the next tick
 
     @property
     def capacity(self) -> int:
@@ -259,20 +225,24 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.rows)
+        return bool(self.rows or self.refused)
 
-    def add(self, key: Hashable, job: Job) -> None:
-        """Take ``job`` (its events will carry ``key``); it is prefilled from the next tick."""
+    def add(self, key: Hashable, job: Job, cancelled: Callable[[], bool] = never_cancelled) -> None:
+        """Take ``job`` (its events will carry ``key``); it is prefilled from the next tick.
+        ``cancelled``: True once its client is gone (the job then stops without another event)."""
         if self.capacity <= 0:
             raise RuntimeError(f"the engine runs {self.max_rows} rows at most")
-        self.rows.append(_Row(key, job, self.model, time.monotonic()))
+        try:
+            self.rows.append(_Row(key, job, self.model, cancelled, time.monotonic()))
+        except SamplingError as error:  # settings its block set cannot run (``resolve`` refuses them)
+            self.refused.append((key, error_event(422, str(error))))
 
-    def tick(self) -> list[tuple[Hashable, dict]]:
+    def tick(self) -> Events:
         """Retire, prefill a chunk, decode a step; the (key, event) pairs of jobs with news. Each job
         ends with one ``done`` or ``error`` event, or silently once cancelled."""
         return [event for part in self.tick_parts() for event in part]
 
-    def tick_parts(self) -> Iterator[list[tuple[Hashable, dict]]]:
+    def tick_parts(self) -> Iterator[Events]:
         """``tick`` a part at a time (after retiring, after each prefill chunk, after the decode
         step), so that a caller can send each part's events at once: a prompt's first token leaves
         when its prefill ends, not when the tick does."""
@@ -286,14 +256,14 @@ class Engine:
                 while budget > 0 and not row.prefilled and row in self.rows:
                     budget -= min(self.prefill_chunk, len(row.feed) - row.fed)
                     yield self._counted(self._guarded(row, self._prefill_chunk))
-            shared = [row for row in decoding if row.speculator is None]
+            shared = [row for row in decoding if not row.speculating]
             if shared:
                 yield self._counted(self._decode(shared))
             for row in decoding:
-                if row.speculator is not None and row in self.rows:
+                if row.speculating and row in self.rows:
                     yield self._counted(self._guarded(row, self._speculate))
 
-    def _counted(self, events: list[tuple[Hashable, dict]]) -> list[tuple[Hashable, dict]]:
+    def _counted(self, events: Events) -> Events:
         for _, event in events:
             if event["event"] == "done":
                 self.tally("requests_done", 1)
@@ -301,13 +271,13 @@ class Engine:
                 self.tally("requests_timed_out" if event["status"] == 504 else "requests_failed", 1)
         return events
 
-    def abort(self, error: Exception) -> list[tuple[Hashable, dict]]:
+    def abort(self, error: Exception) -> Events:
         """Fail every job held (the worker's loop broke); the engine is empty after."""
-        events = [(row.key, error_event(500, f"{type(error).__name__}: {error}")) for row in self.rows]
+        events = [_failed(row.key, error) for row in self.rows]
         self.rows = []
         return events
 
-    def run(self, jobs: list[tuple[Hashable, Job]]) -> Iterator[list[tuple[Hashable, dict]]]:
+    def run(self, jobs: list[tuple[Hashable, Job]]) -> Iterator[Events]:
         """In-process use: every (key, job), admitted as rows free up; per tick, the events."""
         waiting = list(jobs)
         while waiting or self.busy:
@@ -319,21 +289,22 @@ class Engine:
 
     # -- the parts of a tick ----------------------------------------------------------------------
 
-    def _retire(self) -> list[tuple[Hashable, dict]]:
+    def _retire(self) -> Events:
         """Drop the jobs whose client is gone (silently) and those past their deadline (a 504 event)."""
         now = time.monotonic()
-        events, running = [], []
+        events, running = self.refused, []
+        self.refused = []
         for row in self.rows:
             job = row.job
             try:
-                cancelled = job.cancelled()
+                cancelled = row.cancelled()
             except Exception as error:  # the check is the caller's code: its failure ends this job only
-                events.append((row.key, error_event(500, f"{type(error).__name__}: {error}")))
+                events.append(_failed(row.key, error))
                 continue
             if cancelled:
                 self.tally("requests_cancelled", 1)
-            elif now > job.deadline:
-                made = len(row.progress.new_tokens)
+            elif row.generation.overdue(now):
+                made = len(row.generation.tokens)
                 message = (
                     f"request timeout: not finished within {job.deadline - job.submitted_at:g} s "
                     f"(the server's --request-timeout), stopped after {made} new tokens"
@@ -344,110 +315,82 @@ class Engine:
         self.rows = running
         return events
 
-    def _guarded(self, row: _Row, work: Callable[[_Row], list[tuple[Hashable, dict]]]):
+    def _guarded(self, row: _Row, work: Callable[[_Row], Events]) -> Events:
         """``work(row)``; should it raise, the row alone ends with a 500 event."""
         try:
             return work(row)
         except Exception as error:
-            self._finish(row)
-            return [(row.key, error_event(500, f"{type(error).__name__}: {error}"))]
+            self.rows.remove(row)
+            return [_failed(row.key, error)]
 
-    def _finish(self, row: _Row) -> None:
-        self.rows.remove(row)
-
-    def _prefill_chunk(self, row: _Row) -> list[tuple[Hashable, dict]]:
+    def _prefill_chunk(self, row: _Row) -> Events:
         """The row's next chunk of prompt; at the end of the prompt its score and first token."""
-        job, progress = row.job, row.progress
-        if row.speculator is not None and job.min_tokens > 0:
-            self._finish(row)
-            message = "min_tokens: not with speculate (drafts are drawn without it)"
-            return [(row.key, error_event(422, message))]
+        job, report = row.job, row.report
         start = time.monotonic()
         if job.block_set.is_adaptive and row.scoring and row.fed == 0:
             scored = lab_generate.score(self.model, job.prompt_tokens, job.block_set)
-            progress.scored(torch.tensor(scored.token_losses))
+            report.scored(torch.tensor(scored.token_losses))
             if job.max_new_tokens == 0:
-                progress.blocks_per_token = [len(blocks) for blocks in scored.blocks_per_token]
-                progress.prefill_s = time.monotonic() - start
-                self._finish(row)
-                return [(row.key, progress.done("scored", None))]
+                report.blocks_per_token = scored.blocks_per_token
+                report.prefill_s = time.monotonic() - start
+                return self._end(row)
         chunk_end = min(row.fed + self.prefill_chunk, len(row.feed))
-        stream = row.decoder.extend(row.feed[row.fed : chunk_end])  # [t, D]
+        stream = row.generation.extend(row.feed[row.fed : chunk_end])  # [t, D]
         targets = row.loss_targets[row.fed : chunk_end]
         if targets:
             row.scores.append(_scores(self.model, stream, targets))
         row.fed = chunk_end
-        progress.prefill_s += time.monotonic() - start
+        report.prefill_s += time.monotonic() - start
         if row.fed < len(row.feed):
             return []
+        row.prefilled = True
         if row.scores:
-            progress.scored(torch.cat(row.scores))
+            report.scored(torch.cat(row.scores))
         if job.max_new_tokens == 0:
-            progress.blocks_per_token = [len(row.fixed_blocks)] * len(job.prompt_tokens[1:])
-            self._finish(row)
-            return [(row.key, progress.done("scored", row.fixed_blocks))]
+            report.blocks_per_token = [len(row.fixed_blocks)] * len(job.prompt_tokens[1:])
+            return self._end(row)
         logits = self.model.unembed(stream[None, -1:])[0, -1]  # [V]
-        blocks = len(row.decoder.prefill_set.blocks_to_run(self.model.config.n_layer))
-        return self._emit(row, logits, blocks)
+        return self._took(row, [row.generation.pick(logits, row.generation.decoder.blocks)])
 
-    def _decode(self, rows: list[_Row]) -> list[tuple[Hashable, dict]]:
+    def _decode(self, rows: list[_Row]) -> Events:
         """One step for ``rows`` together; should it raise, each row alone (only bad rows fail)."""
         try:
             invariant = rows_alone() if self.batch_invariant else contextlib.nullcontext()
             with invariant:
-                decoders, fed = [row.decoder for row in rows], [row.last_token for row in rows]
+                decoders = [row.generation.decoder for row in rows]
+                fed = [row.generation.last_token for row in rows]
                 logits, blocks_run = decode_rows(self.model, decoders, fed)  # [B, V]
         except Exception as error:
             if len(rows) == 1:
-                self._finish(rows[0])
-                return [(rows[0].key, error_event(500, f"{type(error).__name__}: {error}"))]
+                self.rows.remove(rows[0])
+                return [_failed(rows[0].key, error)]
             logger.warning("a step of %d rows failed (%r); each runs again alone", len(rows), error)
             self.tally("batches_split", 1)
             return [event for row in rows for event in self._decode([row])]
         events = []
         for b, row in enumerate(rows):
-            row.progress.batch_size = max(row.progress.batch_size, len(rows))
-            events += self._emit(row, logits[b], len(blocks_run[b]))
+            row.report.batch_size = max(row.report.batch_size, len(rows))
+            events += self._took(row, [row.generation.pick(logits[b], blocks_run[b])])
         return events
 
-    def _speculate(self, row: _Row) -> list[tuple[Hashable, dict]]:
+    def _speculate(self, row: _Row) -> Events:
         """One round of self-speculative decoding for the row alone: 1 to k + 1 tokens."""
-        job = row.job
-        wanted = job.max_new_tokens - len(row.progress.new_tokens)
-        drawn = row.speculator.round(
-            row.last_token, wanted, job.temperature, job.top_k, job.top_p, row.generator
-        )
+        return self._took(row, row.generation.speculate())
+
+    def _took(self, row: _Row, steps: list[Step | None]) -> Events:
+        """The events of the row's new tokens (None: end-of-text), and of its end when it ended."""
         events = []
-        for token, _ in drawn:
-            events += self._take(row, token, len(row.fixed_blocks))
-            if row not in self.rows:
-                break
+        for step in steps:
+            if step is None:
+                continue
+            self.tally("tokens_generated", 1)
+            event = row.report.token(step, len(row.report.token_times))
+            if event is not None:
+                events.append((row.key, event))
+        if row.generation.finished:
+            events += self._end(row)
         return events
 
-    def _emit(self, row: _Row, logits: torch.Tensor, blocks: int) -> list[tuple[Hashable, dict]]:
-        """Draw the row's next token from logits [V]; its events, and the row's end when it ends."""
-        job, progress = row.job, row.progress
-        logits = logits.float()
-        if len(progress.new_tokens) < job.min_tokens and not job.ignore_eos:
-            logits[tokens.EOT] = float("-inf")
-        token = pick_token(logits, job.temperature, job.top_k, row.generator, job.top_p)
-        return self._take(row, token, blocks)
-
-    def _take(self, row: _Row, token: int, blocks: int) -> list[tuple[Hashable, dict]]:
-        """Record the row's next token; its events, and the row's end when it ends."""
-        job, progress = row.job, row.progress
-        if token == tokens.EOT and not job.ignore_eos:
-            self._finish(row)
-            return [(row.key, progress.done("stop", row.fixed_blocks))]
-        self.tally("tokens_generated", 1)
-        event = progress.token(token, blocks)
-        events = [] if event is None else [(row.key, event)]
-        if progress.stopped_at is not None:
-            finish = "stop"
-        elif len(progress.new_tokens) == job.max_new_tokens:
-            finish = "length"
-        else:
-            row.last_token = token
-            return events
-        self._finish(row)
-        return [*events, (row.key, progress.done(finish, row.fixed_blocks))]
+    def _end(self, row: _Row) -> Events:
+        self.rows.remove(row)
+        return [(row.key, row.report.done(row.generation, row.fixed_blocks))]

@@ -7,7 +7,7 @@
     out.choices[0].text, out.blocklab["mean_blocks_per_token"]
 
 Each body is translated into ``PredictRequest``s (one per prompt: a list of prompts, of token ids
-or of lists of ids, becomes as many choices) that go through ``serve.gateway`` like ``/predict``:
+or of lists of ids, becomes as many choices) that go through ``serve.http_front`` like ``/predict``:
 same checks, same batches. (LitServe's ``OpenAISpec`` covers chat only and takes over its LitAPI; a
 second LitAPI for it would load the model again and never batch with ``/predict``.) The block set
 travels in the extra field ``blocks`` (a spec string, ``lab.blocks``); vLLM's extras ``top_k``,
@@ -16,9 +16,9 @@ travels in the extra field ``blocks`` (a spec string, ``lab.blocks``); vLLM's ex
 in the first pass when nothing is generated, else in a scoring request after it. Every response
 carries a ``blocklab`` object: the block set as run, blocks per token, server timings. What is not
 implemented (``n`` > 1, tools, penalties, ``logit_bias``, ``logprobs`` > 1, ...) is refused with
-422 whose ``param`` names it, never silently ignored; OpenAI's explicit nulls mean the default.
-Chat turns are rendered as a plain transcript (``role: content`` lines, then ``assistant:``): the
-served models are not chat-tuned.
+422 whose ``param`` names it, never silently ignored; OpenAI's explicit nulls mean the default
+(the bodies' models: ``serve.openai_schema``). Chat turns are rendered as a plain transcript
+(``role: content`` lines, then ``assistant:``): the served models are not chat-tuned.
 """
 
 import codecs
@@ -27,135 +27,30 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal
+from typing import Literal
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from lab import tokens
-from serve.gateway import Gateway, Submission
-from serve.schema import MAX_NEW_TOKENS, PredictRequest
-
-DEFAULT_MAX_TOKENS = 16
-"""OpenAI's default for completions; used for chat too."""
-DEFAULT_TEMPERATURE = 1.0
-MAX_PROMPTS = 64
-"""Prompts in one completions request; each becomes a request of its own, with its own slot."""
-MAX_LOGPROBS = 1
-"""The scoring pass reports the most likely token at each position, not a longer list."""
-
-
-def _only(*neutral) -> AfterValidator:
-    """A field accepted only at the values that mean "off": the server does not implement it."""
-
-    def check(value):
-        if value not in neutral:
-            allowed = " or ".join(map(repr, neutral))
-            raise ValueError(f"not supported by this server (got {value!r}; only {allowed})")
-        return value
-
-    return AfterValidator(check)
+from serve.http_front import Front, Submission
+from serve.openai_schema import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    MAX_LOGPROBS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIRequest,
+    StreamOptions,
+    chat_prompt,
+)
+from serve.schema import PredictRequest
 
 
 def refuse(param: str, message: str, status: int = 422) -> HTTPException:
     """An error in FastAPI's validation shape, so the OpenAI error names ``param``."""
     return HTTPException(status, [{"type": "value_error", "loc": ["body", param], "msg": message}])
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = Field(None, description="vLLM's: usage in every chunk.")
-
-
-class _OpenAIRequest(BaseModel):
-    """The options completions and chat share. ``None`` (absent or an explicit null) is OpenAI's default."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: str | None = Field(None, max_length=256, description="Accepted and echoed; one model is served.")
-    max_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
-    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    user: str | None = Field(None, max_length=256)
-    n: Annotated[int | None, _only(None, 1)] = None
-    presence_penalty: Annotated[float | None, _only(None, 0.0)] = None
-    frequency_penalty: Annotated[float | None, _only(None, 0.0)] = None
-    logit_bias: Annotated[dict[str, float] | None, _only(None, {})] = None
-    # vLLM's extras, which load tools send to fix output lengths
-    ignore_eos: bool | None = None
-    min_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
-    top_k: int | None = Field(None, ge=-1, description="vLLM's: -1 or 0 is off.")
-    # blocklab's own, sent by OpenAI clients through extra_body
-    blocks: str | None = Field(None, max_length=4096, description="Block set spec, e.g. 'skip=3,4'.")
-
-
-def _check_prompt(prompt: Any) -> str | list[str] | list[int] | list[list[int]]:
-    """One string, a list of strings, token ids, or a list of lists of token ids (one error for all)."""
-
-    def ids(value) -> bool:
-        return isinstance(value, list) and value != [] and all(type(item) is int for item in value)
-
-    shape = "a string, a list of strings, token ids, or a list of lists of token ids"
-    if isinstance(prompt, str) or ids(prompt):
-        return prompt
-    if not isinstance(prompt, list) or prompt == []:
-        raise ValueError(f"must be {shape}")
-    if not (all(isinstance(item, str) for item in prompt) or all(map(ids, prompt))):
-        raise ValueError(f"must be {shape} (a list of prompts holds one kind, each one non-empty)")
-    if len(prompt) > MAX_PROMPTS:
-        raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
-    return prompt
-
-
-class CompletionRequest(_OpenAIRequest):
-    prompt: Annotated[Any, AfterValidator(_check_prompt)] = Field(
-        description="A prompt, a list of prompts, token ids, or a list of lists of token ids."
-    )
-    echo: bool | None = None
-    logprobs: int | None = Field(None, ge=0, le=5)
-    best_of: Annotated[int | None, _only(None, 1)] = None
-    suffix: Annotated[str | None, _only(None, "")] = None
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str = Field(max_length=200_000)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(max_length=1024)] = Field(max_length=200_000)
-    name: str | None = Field(None, max_length=256)
-
-    @property
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(_OpenAIRequest):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
-    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
-    logprobs: Annotated[bool | None, _only(None, False)] = None
-    top_logprobs: Annotated[int | None, _only(None, 0)] = None
-    tools: Annotated[Any, _only(None, [])] = None
-    tool_choice: Annotated[Any, _only(None, "none")] = None
-    parallel_tool_calls: Annotated[Any, _only(None, False)] = None
-    functions: Annotated[Any, _only(None, [])] = None
-    function_call: Annotated[Any, _only(None, "none")] = None
-    response_format: Annotated[Any, _only(None, {"type": "text"})] = None
-
-
-def chat_prompt(messages: list[ChatMessage]) -> str:
-    """The transcript a base model continues: one ``role: content`` line per turn, then ``assistant:``."""
-    return "".join(f"{message.role}: {message.text}\n" for message in messages) + "assistant:"
 
 
 _NAMED_MESSAGE = re.compile(r"(?:Value error, )?(\w+): (.*)", re.DOTALL)
@@ -221,7 +116,7 @@ class _Translation:
     """A body as ``PredictRequest``s: how each prompt is asked, and the names to say errors in."""
 
     def __init__(
-        self, body: _OpenAIRequest, prompts: list[str | list[int]], max_tokens: int | None, names: dict
+        self, body: OpenAIRequest, prompts: list[str | list[int]], max_tokens: int | None, names: dict
     ):
         self.body = body
         self.prompts = prompts
@@ -254,9 +149,9 @@ class _Translation:
             detail = error.errors(include_url=False, include_context=False)
             raise HTTPException(422, _in_openai_terms(detail, self.names)) from None
 
-    def admit(self, gateway: Gateway, request: PredictRequest) -> Submission:
+    def admit(self, front: Front, request: PredictRequest) -> Submission:
         try:
-            return gateway.admit(request)
+            return front.admit(request)
         except HTTPException as error:  # checked against the model: say it in the client's terms
             if error.status_code == 422 and isinstance(error.detail, list):
                 raise HTTPException(422, _in_openai_terms(error.detail, self.names)) from None
@@ -266,14 +161,12 @@ class _Translation:
 class _Route:
     """One OpenAI route: how its choices look, whole and streamed."""
 
-    def __init__(
-        self, gateway: Gateway, model_name: str, kind: Literal["text_completion", "chat.completion"]
-    ):
-        self.gateway = gateway
+    def __init__(self, front: Front, model_name: str, kind: Literal["text_completion", "chat.completion"]):
+        self.front = front
         self.model_name = model_name
         self.kind = kind
 
-    def _envelope(self, body: _OpenAIRequest, object_name: str, request_id: str) -> dict:
+    def _envelope(self, body: OpenAIRequest, object_name: str, request_id: str) -> dict:
         return {
             "id": request_id,
             "object": object_name,
@@ -298,25 +191,26 @@ class _Route:
         submissions: list[Submission] = []
         try:
             for request in requests:  # all admitted before any is awaited, so they can share batches
-                submissions.append(translation.admit(self.gateway, request))
+                submissions.append(translation.admit(self.front, request))
             request_id = ("cmpl-" if self.kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
             if body.stream:
                 first = await submissions[0].next_event(client)
                 if first["event"] == "error":
-                    return self.gateway.error_response(first, client.url.path)
+                    return self.front.error_response(first, client.url.path)
                 chunk_object = (
                     "text_completion" if self.kind == "text_completion" else "chat.completion.chunk"
                 )
                 stream = self._sse(
                     first, submissions, translation, self._envelope(body, chunk_object, request_id), echo
                 )
+                submissions[0].stop_watching()  # the streaming response sees its client leave
                 submissions = []  # the stream closes them
                 return StreamingResponse(stream, media_type="text/event-stream")
             responses = []
             for submission in submissions:
                 event = await submission.final_event(client)
                 if event["event"] == "error":
-                    return self.gateway.error_response(event, client.url.path)
+                    return self.front.error_response(event, client.url.path)
                 responses.append(event["response"])
         finally:
             for submission in submissions:
@@ -356,7 +250,7 @@ class _Route:
                 elif len(ids) >= 2:
                     overrides = {"max_new_tokens": 0, "score": True, "stream": False, "stop": None}
                     scoring = translation.request(ids, **overrides, min_tokens=None)
-                    pending[index] = translation.admit(self.gateway, scoring)
+                    pending[index] = translation.admit(self.front, scoring)
             for index, submission in pending.items():
                 event = await submission.final_event(client)
                 if event["event"] == "error":
@@ -476,9 +370,9 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def register(app: FastAPI, gateway: Gateway, *, model_name: str, responses: dict) -> None:
-    completion = _Route(gateway, model_name, "text_completion")
-    chat = _Route(gateway, model_name, "chat.completion")
+def register(app: FastAPI, front: Front, *, model_name: str, responses: dict) -> None:
+    completion = _Route(front, model_name, "text_completion")
+    chat = _Route(front, model_name, "chat.completion")
 
     async def completions(request: CompletionRequest, client: Request) -> Response:
         if request.logprobs is not None and request.logprobs > MAX_LOGPROBS:

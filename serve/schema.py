@@ -1,21 +1,30 @@
-"""What goes over the wire: the request and response of ``/predict`` as pydantic models.
+"""What goes over the wire: the request and response of ``/predict`` as pydantic models, and the job
+a request becomes.
 
-FastAPI validates every body against ``PredictRequest`` before any worker sees it (422 naming the
+FastAPI validates every body against ``PredictRequest`` before anything else sees it (422 naming the
 field, and the OpenAPI schema at ``/openapi.json``): types are strict (``"5"`` is not an integer),
-unknown fields are refused, and every number has a bound. What only the served model can decide
-(block indices against its depth, prompt plus new tokens against its context length) is checked by
-``resolve``, which raises ``RequestError`` naming the field; the server answers that with 422 too.
+unknown fields are refused, and every number has a bound. Its block-set fields are made from
+``lab.blocks.KEYS``, as are the rules on which of them go together. What only the served model can
+decide (block indices against its depth, prompt plus new tokens against its context length) is
+checked by ``resolve``, which raises ``RequestError`` naming the field (the server answers 422 too)
+and otherwise returns the ``Job``: the prompt tokenised, the block set and sampling settings made,
+what a worker runs. A request is resolved once, on the HTTP side.
 """
 
 from __future__ import annotations
 
+import math
+import secrets
+import time
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from lab import tokens
-from lab.blocks import BlockSet
+from lab.blocks import KEYS, BlockSet, BlockSetError, Key, check_together
+from lab.generate import check_sampling
+from lab.sampling import FinishReason, SamplingError, SamplingParams
 
 MAX_PROMPT_CHARS = 200_000
 MAX_NEW_TOKENS = 8192
@@ -31,31 +40,12 @@ MIN_TEMPERATURE = 1e-6
 MIN_TOP_P = 1e-6
 """Below it float32 probabilities cannot tell it from 0 (a top_p of 5e-324 is 0 in float32, which
 keeps no token); any top_p below the most likely token's probability keeps that token alone."""
-BLOCK_FIELDS = (
-    "skip", "keep", "overwrite", "exit_at", "adaptive", "adaptive_min_blocks", "adaptive_check"
-)  # fmt: skip
+REQUEST_KEYS = [key for key in KEYS.values() if key.request is not None]
+"""The block-set keys a request may also give as fields of their own (``Key.request``)."""
 
 
-@dataclass(frozen=True)
-class Admission:
-    """The server's stamp on an admitted request: when, and where to look for its cancellation."""
-
-    ticket: int
-    """Unique per request in this server's life."""
-    slot: int
-    """Its place among the requests in flight; the worker reads ``cancelled[slot] == ticket``."""
-    submitted_at: float
-    """``time.monotonic()`` when it entered the queue (the same clock in every process on Linux)."""
-    deadline: float = float("inf")
-    """``time.monotonic()`` past which the worker stops the request with 504 (``--request-timeout``)."""
-
-
-class PredictRequest(BaseModel):
-    """One request to ``POST /predict``. The prompt is text (``prompt``) or token ids (``prompt_ids``,
-    taken as they are: what a client tokenised itself, as lm-eval does). The block set is either
-    ``blocks`` (a spec string, see ``lab.blocks``) or the structured fields (``skip`` or ``keep``,
-    ``overwrite``, ``exit_at``, ``adaptive`` with ``adaptive_min_blocks``), never both. Nothing
-    given: all blocks."""
+class _PredictFields(BaseModel):
+    """``PredictRequest`` but its block-set fields."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -85,18 +75,6 @@ class PredictRequest(BaseModel):
     stream: bool = Field(False, description="NDJSON events: one per token, then the summary.")
     score: bool = Field(False, description="Also return the loss of the prompt under the block set.")
     blocks: str | None = Field(None, max_length=4096, examples=["skip=3,4", "exit=6", "adaptive=0.9;min=4"])
-    skip: list[int] | None = Field(None, max_length=MAX_BLOCK_INDICES)
-    keep: list[int] | None = Field(None, max_length=MAX_BLOCK_INDICES)
-    overwrite: list[int] | None = Field(None, max_length=MAX_BLOCK_INDICES)
-    exit_at: int | None = Field(None, ge=1, description="Run blocks 0..exit_at-1, then read out.")
-    adaptive: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description="Exit threshold.")
-    adaptive_min_blocks: int | None = Field(None, ge=1)
-    adaptive_check: Literal["cosine", "probe"] | None = Field(
-        None, description="What the threshold applies to: cosine (state saturation) or the exit probe."
-    )
-
-    # Stamped by the server on admission; travels with the request to the worker, never from clients.
-    _admission: Admission | None = PrivateAttr(None)
 
     @field_validator("prompt")
     @classmethod
@@ -119,7 +97,7 @@ class PredictRequest(BaseModel):
         return temperature
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> PredictRequest:
+    def _one_prompt(self) -> _PredictFields:
         if (self.prompt is None) == (self.prompt_ids is None):
             raise ValueError("prompt: give prompt (text) or prompt_ids (token ids), exactly one")
         if self.min_tokens > self.max_new_tokens:
@@ -129,26 +107,46 @@ class PredictRequest(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _one_way_to_name_blocks(self) -> PredictRequest:
-        given = [name for name in BLOCK_FIELDS if getattr(self, name) is not None]
+    def _one_way_to_name_blocks(self) -> _PredictFields:
+        given = block_fields(self)
         if self.blocks is not None and given:
-            raise ValueError(f"blocks: give a spec string or the fields {given}, not both")
-        if self.skip is not None and self.keep is not None:
-            raise ValueError("keep: give skip or keep, not both")
-        if self.adaptive is not None and self.exit_at is not None:
-            raise ValueError("exit_at: cannot be combined with adaptive exit")
-        if self.adaptive_min_blocks is not None and self.adaptive is None:
-            raise ValueError("adaptive_min_blocks: only meaningful with adaptive")
-        if self.adaptive_check is not None and self.adaptive is None:
-            raise ValueError("adaptive_check: only meaningful with adaptive")
+            raise ValueError(
+                f"blocks: give a spec string or the fields {[k.request for k in given]}, not both"
+            )
+        try:
+            check_together([key.key for key in given])
+        except BlockSetError as error:
+            raise ValueError(f"{error.key.request}: {error.reason}") from None
         return self
 
-    def admit(self, admission: Admission) -> None:
-        self._admission = admission
 
-    @property
-    def admission(self) -> Admission | None:
-        return self._admission
+def block_fields(request: _PredictFields) -> dict[Key, Any]:
+    """The block-set fields a request gives (not None), by their ``lab.blocks.Key``."""
+    values = {key: getattr(request, key.request) for key in REQUEST_KEYS}
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def _block_field(key: Key) -> tuple[Any, Any]:
+    """The request field of a block-set key: its type and bounds by the key's kind."""
+    if key.kind == "index":
+        return list[int] | None, Field(None, max_length=MAX_BLOCK_INDICES, description=key.help)
+    if key.kind == "count":
+        return int | None, Field(None, ge=key.low, le=key.high, description=key.help)
+    if key.kind == "number":
+        return float | None, Field(None, gt=key.low, le=key.high, allow_inf_nan=False, description=key.help)
+    return Literal[key.choices] | None, Field(None, description=key.help)
+
+
+PredictRequest = create_model(
+    "PredictRequest",
+    __base__=_PredictFields,
+    __doc__="""One request to ``POST /predict``. The prompt is text (``prompt``) or token ids
+    (``prompt_ids``, taken as they are: what a client tokenised itself, as lm-eval does). The block set
+    is either ``blocks`` (a spec string, see ``lab.blocks``) or the structured fields (``skip`` or
+    ``keep``, ``overwrite``, ``exit_at``, ``adaptive`` with ``adaptive_min_blocks`` and
+    ``adaptive_check``: ``lab.blocks.KEYS``' request fields), never both. Nothing given: all blocks.""",
+    **{key.request: _block_field(key) for key in REQUEST_KEYS},
+)
 
 
 @dataclass(frozen=True)
@@ -176,66 +174,52 @@ class RequestError(ValueError):
         return [{"type": "value_error", "loc": ["body", self.field], "msg": self.message}]
 
 
-# BlockSet's messages start with its own field names; say them as the request does.
-_BLOCKSET_TO_REQUEST_FIELD = {
-    "skip": "skip",
-    "keep": "keep",
-    "overwrite": "overwrite",
-    "exit_at": "exit_at",
-    "adaptive_threshold": "adaptive",
-    "adaptive_min_blocks": "adaptive_min_blocks",
-    "adaptive_check": "adaptive_check",
-}
-
-
-def _duplicates(name: str, indices: list[int] | None) -> None:
-    if indices is not None and len(set(indices)) != len(indices):
-        raise RequestError(name, f"duplicated block index in {indices}")
-
-
 def resolve_block_set(request: PredictRequest, n_layer: int, default: str | None = None) -> BlockSet:
     """The request's block set, validated against ``n_layer`` blocks; RequestError names the field.
     A request that names no blocks gets ``default`` (a spec string; None: all blocks)."""
-    names_none = all(getattr(request, name) is None for name in ("blocks", *BLOCK_FIELDS))
-    spec = default if names_none else request.blocks
+    given = block_fields(request)
+    spec = default if request.blocks is None and not given else request.blocks
+    if spec is not None:
+        try:
+            return BlockSet.parse(spec, n_layer)
+        except BlockSetError as error:
+            raise RequestError("blocks", str(error)) from None
     try:
-        if spec is not None:
-            try:
-                return BlockSet.parse(spec, n_layer)
-            except ValueError as error:
-                raise RequestError("blocks", str(error)) from None
-        for name in ("skip", "keep", "overwrite"):
-            _duplicates(name, getattr(request, name))
-        options = {
-            "overwrite": frozenset(request.overwrite or ()),
-            "exit_at": request.exit_at,
-            "adaptive_threshold": request.adaptive,
-            "adaptive_min_blocks": request.adaptive_min_blocks or 1,
-            "adaptive_check": request.adaptive_check or "cosine",
-        }
-        if request.keep is not None:
-            return BlockSet.keep(request.keep, n_layer, **options).validate(n_layer)
-        return BlockSet(skip=frozenset(request.skip or ()), **options).validate(n_layer)
-    except RequestError:
-        raise
-    except ValueError as error:
-        name, _, message = str(error).partition(": ")
-        raise RequestError(_BLOCKSET_TO_REQUEST_FIELD.get(name, "blocks"), message or str(error)) from None
+        return BlockSet.from_values({key.key: value for key, value in given.items()}, n_layer)
+    except BlockSetError as error:
+        raise RequestError(error.key.request, error.reason) from None
 
 
 @dataclass(frozen=True)
-class Resolved:
-    """A request made concrete for the served model."""
+class Job:
+    """A request resolved for the served model: what a worker runs (``resolve`` makes it)."""
 
     prompt_tokens: list[int]
     block_set: BlockSet
+    max_new_tokens: int
+    sampling: SamplingParams
+    """Its seed is set (drawn when the request gave none), so the response can report it."""
+    score: bool = False
+    stream: bool = False
+    request_id: str | None = None
+    submitted_at: float = 0.0
+    """``time.monotonic()`` when the request was admitted (the same clock in every process on Linux)."""
+    deadline: float = math.inf
+    """``time.monotonic()`` past which it ends with 504 at its next step (``--request-timeout``)."""
 
 
-def resolve(request: PredictRequest, limits: ModelLimits) -> Resolved:
-    """Tokenise the prompt and check the request against the model; RequestError names the field."""
+def resolve(
+    request: PredictRequest,
+    limits: ModelLimits,
+    *,
+    submitted_at: float | None = None,
+    timeout: float = math.inf,
+) -> Job:
+    """Tokenise the prompt and check the request against the model: its ``Job``, admitted at
+    ``submitted_at`` (default: now) to end within ``timeout`` seconds; RequestError names the field."""
     block_set = resolve_block_set(request, limits.n_layer, limits.default_blocks)
     if block_set.adaptive_check == "probe" and not limits.exit_probe:
-        field = "blocks" if request.blocks is not None else "adaptive_check"
+        field = "blocks" if request.blocks is not None else KEYS["check"].request
         raise RequestError(field, "check=probe needs an exit probe (lab.exit_probe); this model has none")
     if request.prompt_ids is not None:
         prompt_tokens = list(request.prompt_ids)
@@ -253,7 +237,31 @@ def resolve(request: PredictRequest, limits: ModelLimits) -> Resolved:
         )
     if (request.score or request.max_new_tokens == 0) and len(prompt_tokens) < 2:
         raise RequestError("prompt", "scoring needs at least 2 tokens (the loss of each after the first)")
-    return Resolved(prompt_tokens=prompt_tokens, block_set=block_set)
+    try:
+        sampling = SamplingParams(
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p,
+            seed=request.seed if request.seed is not None else secrets.randbits(63),
+            min_tokens=request.min_tokens,
+            ignore_eos=request.ignore_eos,
+            stop=tuple(request.stop or ()),
+        )
+        check_sampling(sampling, block_set)
+    except SamplingError as error:
+        raise RequestError(error.field, error.reason) from None
+    submitted_at = time.monotonic() if submitted_at is None else submitted_at
+    return Job(
+        prompt_tokens=prompt_tokens,
+        block_set=block_set,
+        max_new_tokens=request.max_new_tokens,
+        sampling=sampling,
+        score=request.score,
+        stream=request.stream,
+        request_id=request.id,
+        submitted_at=submitted_at,
+        deadline=submitted_at + timeout,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -283,9 +291,6 @@ class PromptScore(_Response):
     top_losses: list[float] | None = Field(
         None, description="The loss of each top token: the least loss at each position."
     )
-
-
-FinishReason = Literal["length", "stop", "scored"]
 
 
 class Speculation(_Response):
@@ -344,3 +349,8 @@ class ErrorEvent(_Response):
     event: Literal["error"] = "error"
     status: int
     message: str
+
+
+def error_event(status: int, message: str) -> dict:
+    """An ``ErrorEvent`` as the plain dict events travel as."""
+    return ErrorEvent(status=status, message=message).model_dump()

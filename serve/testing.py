@@ -38,21 +38,19 @@ class _InstrumentedGPT(GPT):
     slow_s: float = 0.0
     fail_token: int | None = None
 
-    def embed_tokens(
-        self, idx: torch.Tensor, pos: int = 0, padding: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def embed_tokens(self, idx: torch.Tensor, pos: int = 0) -> torch.Tensor:
         if self.fail_token is not None and bool((idx == self.fail_token).any()):
             raise RuntimeError(f"injected failure: token {self.fail_token} in the input")
         if self.slow_token is not None and bool((idx == self.slow_token).any()):
             time.sleep(self.slow_s)
         if self.step_s:
             time.sleep(self.step_s)
-        return super().embed_tokens(idx, pos, padding)
+        return super().embed_tokens(idx, pos)
 
 
 @dataclass(frozen=True)
 class TinyModel:
-    """Model factory (``serve.api.ModelFactory``) of a small random GPT with GPT-2's vocabulary."""
+    """Model factory (``serve.worker.ModelFactory``) of a small random GPT with GPT-2's vocabulary."""
 
     n_layer: int = 4
     n_embd: int = 32

@@ -65,7 +65,7 @@ def test_blocks_to_run():
         ("all;skip=1", "'all' stands alone"),
         ("skip", "'skip': expected key=value"),
         ("jump=3", "'jump=3': unknown key 'jump'"),
-        ("skip=1;keep=2", "'keep=2': give skip or keep, not both"),
+        ("skip=1;keep=2", "'keep=2': cannot be combined with skip"),
         # the rules of the fields, against the depth
         ("skip=12", "'skip=12': block indices [12] out of range 0..11"),
         ("skip=3,3", "'skip=3,3': duplicated block index 3 in skip"),
@@ -89,9 +89,9 @@ def test_malformed_specs_name_the_part(spec, message):
 def test_the_fields_follow_the_same_rules():
     with pytest.raises(ValueError, match="keep: needs at least one block"):
         BlockSet.keep([], N_LAYER)
-    with pytest.raises(ValueError, match="adaptive_min_blocks: needs adaptive"):
+    with pytest.raises(ValueError, match="adaptive_min_blocks: only with adaptive"):
         BlockSet(adaptive_min_blocks=3).validate(N_LAYER)
-    with pytest.raises(ValueError, match="adaptive_check: needs adaptive"):
+    with pytest.raises(ValueError, match="adaptive_check: only with adaptive"):
         BlockSet(adaptive_check="probe").validate(N_LAYER)
 
 
@@ -189,3 +189,50 @@ def test_the_server_refuses_an_empty_keep_list():
 
     with pytest.raises(RequestError, match="keep: needs at least one block"):
         resolve_block_set(PredictRequest(prompt="a", keep=[]), N_LAYER)
+
+
+def test_errors_carry_the_key_at_fault():
+    from lab.blocks import KEYS, BlockSetError
+
+    cases = [
+        ("skip=1;exit=20", "exit", "'exit=20': must be in 1..12, got 20"),
+        ("adaptive=0.9;min=0", "min", "'min=0': must be in 1..12, got 0"),
+        ("min=2", "min", "'min=2': only with adaptive=THRESHOLD"),
+        ("speculate=2;k=17", "k", "'k=17': must be in 1..16, got 17"),
+    ]
+    for spec, key, message in cases:
+        with pytest.raises(BlockSetError) as error:
+            BlockSet.parse(spec, N_LAYER)
+        assert error.value.key is KEYS[key] and str(error.value) == message
+    with pytest.raises(BlockSetError) as error:
+        BlockSet(exit_at=13).validate(N_LAYER)  # a set made in code names its field
+    assert error.value.key is KEYS["exit"] and str(error.value) == "exit_at: must be in 1..12, got 13"
+    assert BlockSet().draft_tokens == KEYS["k"].default and str(BlockSet(speculate=3)) == "speculate=3"
+
+
+def test_the_request_fields_come_from_the_table():
+    from lab.blocks import KEYS
+    from serve.schema import PredictRequest, RequestError, resolve_block_set
+
+    named = {key.request: key for key in KEYS.values() if key.request is not None}
+    assert set(named) == {
+        "skip",
+        "keep",
+        "overwrite",
+        "exit_at",
+        "adaptive",
+        "adaptive_min_blocks",
+        "adaptive_check",
+    }
+    schema = PredictRequest.model_json_schema()["properties"]
+    assert set(named) <= set(schema)
+    assert schema["adaptive_check"]["anyOf"][0]["enum"] == ["cosine", "probe"]
+    assert schema["exit_at"]["anyOf"][0]["minimum"] == 1
+    for field, value, reason in [("exit_at", 13, "must be in 1..12"), ("adaptive", 0.5, None)]:
+        request = PredictRequest(prompt="a", **{field: value})
+        if reason is None:
+            assert resolve_block_set(request, N_LAYER) == BlockSet(adaptive_threshold=0.5)
+            continue
+        with pytest.raises(RequestError) as error:
+            resolve_block_set(request, N_LAYER)
+        assert error.value.field == field and error.value.message.startswith(reason)

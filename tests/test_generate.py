@@ -1,6 +1,7 @@
 """Decoding and scoring: cache == no cache, sampling, stopping, context bound, adaptive exit, the CLI."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -8,9 +9,12 @@ import torch.nn.functional as F
 
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
-from lab.generate import Decoder, adaptive_forward, generate, main, mean_blocks, propagate_kv, score
+from lab.decode import Decoder, propagate_kv
+from lab.errors import UserError
+from lab.generate import adaptive_forward, generate, main, mean_blocks, score
 from lab.hooks import capture
 from lab.model import GPT
+from lab.sampling import SamplingError, SamplingParams
 
 CFG = GPTConfig(n_layer=6, n_head=2, n_embd=32, vocab_size=71, block_size=48)
 FIXED_SETS = ["all", "skip=1,4", "keep=0,5", "overwrite=2", "exit=3", "skip=0;overwrite=3;exit=5"]
@@ -114,7 +118,7 @@ def test_greedy_is_deterministic(model):
 
 def test_seeded_sampling_is_reproducible(model):
     def sample(seed, top_k=None):
-        steps = generate(model, prompt_tokens(), 8, temperature=5.0, top_k=top_k, seed=seed)
+        steps = generate(model, prompt_tokens(), 8, SamplingParams(temperature=5.0, top_k=top_k, seed=seed))
         return [s.token for s in steps]
 
     assert sample(7) == sample(7)
@@ -131,21 +135,67 @@ def test_logprob_is_of_the_chosen_token(model):
     assert step.logprob == pytest.approx(float(expected), abs=1e-5)
 
 
-def test_stop_token_ends_generation(model):
+def test_end_of_text_ends_generation_and_is_not_output(model):
     free = [s.token for s in generate(model, prompt_tokens(), 10)]
     stop = free[3]
-    steps = list(generate(model, prompt_tokens(), 10, stop_token=stop))
-    assert [s.token for s in steps] == free[: free.index(stop) + 1]
-    assert steps[-1].finish_reason == "stop_token"
-    assert all(s.finish_reason is None for s in steps[:-1])
+    generation = generate(model, prompt_tokens(), 10, eos_token=stop)
+    steps = list(generation)
+    assert [s.token for s in steps] == free[: free.index(stop)] == generation.tokens
+    assert generation.finish_reason == "stop"
+    assert all(s.finish_reason is None for s in steps)
+
+
+def test_min_tokens_and_ignore_eos(model):
+    free = [s.token for s in generate(model, prompt_tokens(), 10)]
+    eos = free[0]  # the greedy first token: without min_tokens nothing would be generated
+    assert list(generate(model, prompt_tokens(), 10, eos_token=eos)) == []
+    held = generate(model, prompt_tokens(), 10, SamplingParams(min_tokens=3), eos_token=eos)
+    tokens = [s.token for s in held]
+    assert len(tokens) >= 3 and eos not in tokens[:3]
+    ignored = generate(model, prompt_tokens(), 10, SamplingParams(ignore_eos=True), eos_token=eos)
+    assert [s.token for s in ignored] == free and ignored.finish_reason == "length"
+
+
+def test_a_stop_string_ends_generation_and_the_text_before_it():
+    from lab import tokens
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=tokens.VOCAB_SIZE, block_size=48)).eval()
+    prompt = tokens.encode("The quick brown fox")
+    free = generate(model, prompt, 12)
+    list(free)
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 2]
+    stopped = generate(model, prompt, 12, SamplingParams(stop=("never there", stop)))
+    steps = list(stopped)
+    assert stopped.finish_reason == "stop" and steps[-1].finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.find(stop)] and len(steps) < 12
+    assert "".join(step.text for step in steps).startswith(stopped.text)
+
+
+def test_a_deadline_stops_generation(model):
+    with pytest.raises(TimeoutError, match="deadline passed after 0 new tokens"):
+        list(generate(model, prompt_tokens(), 10, deadline=time.monotonic() - 1))
+
+
+@pytest.mark.parametrize(
+    "settings, field",
+    [({"temperature": -1.0}, "temperature"), ({"top_k": 0}, "top_k"), ({"top_p": 0.0}, "top_p"),
+     ({"min_tokens": -1}, "min_tokens")],
+)  # fmt: skip
+def test_sampling_settings_are_checked_naming_the_field(settings, field):
+    with pytest.raises(SamplingError) as error:
+        SamplingParams(**settings)
+    assert error.value.field == field and str(error.value).startswith(f"{field}: ")
+    assert isinstance(error.value, UserError)
 
 
 def test_context_length_bounds_generation(model):
     steps = list(generate(model, prompt_tokens(CFG.block_size - 3), 10))
-    assert len(steps) == 3 and steps[-1].finish_reason == "context_length"
-    assert list(generate(model, prompt_tokens(CFG.block_size), 10)) == []
+    assert len(steps) == 3 and steps[-1].finish_reason == "length"
+    at_the_end = generate(model, prompt_tokens(CFG.block_size), 10)
+    assert list(at_the_end) == [] and at_the_end.finish_reason == "length"
     steps = list(generate(model, prompt_tokens(), 4))
-    assert len(steps) == 4 and steps[-1].finish_reason == "max_new_tokens"
+    assert len(steps) == 4 and steps[-1].finish_reason == "length"
     with pytest.raises(ValueError, match="exceed the context length"):
         list(generate(model, prompt_tokens(CFG.block_size + 1), 1))
 
@@ -160,7 +210,7 @@ def test_score_is_the_mean_cross_entropy(model, spec):
     expected = F.cross_entropy(logits, torch.tensor(tokens[1:]), reduction="none")
     torch.testing.assert_close(torch.tensor(result.token_losses), expected)
     assert result.mean_loss == pytest.approx(float(expected.mean()), abs=1e-6)
-    assert result.blocks_per_token == [block_set.blocks_to_run(CFG.n_layer)] * 19
+    assert result.blocks_per_token == [len(block_set.blocks_to_run(CFG.n_layer))] * 19
 
 
 def test_adaptive_score(model):
@@ -174,6 +224,7 @@ def test_adaptive_score(model):
 
 
 def test_cli_generate_and_score(tmp_path, capsys):
+    from lab import tokens
     from lab.config import GPT2_VOCAB_SIZE
     from lab.weights import save_model
 
@@ -183,8 +234,9 @@ def test_cli_generate_and_score(tmp_path, capsys):
     args = ["--prompt", "def f(x):", "--max-new-tokens", "5", "--blocks", "skip=1"]
     assert main(["generate", *common, *args]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert len(out["tokens"]) == 5 and out["blocks_per_token"] == [[0]] * 5 and out["mean_blocks"] == 1.0
-    assert out["finish_reason"] in ("max_new_tokens", "stop_token")
+    assert len(out["tokens"]) <= 5 and out["blocks_per_token"] == [1] * len(out["tokens"])
+    assert out["finish_reason"] == "length" if len(out["tokens"]) == 5 else "stop"
+    assert out["mean_blocks"] == 1.0 and out["text"] == tokens.decode(out["tokens"])
     text_file = tmp_path / "text.txt"
     text_file.write_text("import os\nprint(os.getcwd())\n")
     assert main(["score", *common, "--file", str(text_file), "--blocks", "adaptive=1.0"]) == 0

@@ -193,39 +193,6 @@ def test_config_validation_names_the_values():
         GPTConfig.from_name("gpt5")
 
 
-@pytest.mark.parametrize("norm", ["pre", "post"])
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_left_padded_rows_compute_what_they_compute_alone(norm, attention):
-    """A batch of prompts of different lengths, left-padded, then decoded with one cache under a block
-    set: every row's logits equal those of the row run alone (within 1e-5), the unpadded row too."""
-    model = GPT(replace(TINY, norm=norm, attention=attention)).eval()
-    prompts = [tokens(1, 5)[0].tolist(), tokens(1, 9)[0].tolist(), tokens(1, 1)[0].tolist()]
-    nexts = tokens(3, 3)  # [B, 3] tokens fed after the prompts
-    width = max(map(len, prompts))
-    padding = torch.tensor([width - len(p) for p in prompts])  # [B]
-    idx = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # [B, width], pad token 0
-    block_set = BlockSet.parse("skip=1", TINY.n_layer)
-    cache = KVCache(TINY, batch_size=3, max_len=width + 3)
-    with torch.no_grad():
-        batched = [model(idx, cache, block_set, padding)]  # [B, width, V]
-        for step in range(3):
-            batched.append(model(nexts[:, step : step + 1], cache, block_set, padding))  # [B, 1, V]
-        batched = torch.cat(batched, dim=1)  # [B, width + 3, V]
-        for row, prompt in enumerate(prompts):
-            alone = model(torch.tensor([prompt + nexts[row].tolist()]), block_set=block_set)[0]  # [T, V]
-            real = batched[row, width - len(prompt) :]  # [T, V]: the padding's outputs are not asked for
-            torch.testing.assert_close(real, alone, atol=1e-5, rtol=1e-5)
-    assert torch.isfinite(batched).all()  # the padding's own outputs stay finite too
-
-
-def test_padding_counts_against_the_context_by_the_longest_row():
-    model = GPT(TINY).eval()
-    idx = torch.zeros(2, TINY.block_size, dtype=torch.long)
-    model(idx, padding=torch.tensor([0, 5]))  # the longest row fills the context exactly
-    with pytest.raises(ValueError, match="33 positions exceed the context length 32"):
-        model(torch.zeros(2, TINY.block_size + 1, dtype=torch.long), padding=torch.tensor([3, 0]))
-
-
 @pytest.mark.parametrize("norm", ["pre", "post", "deepnorm", "peri"])
 @pytest.mark.parametrize("norm_type", ["layer", "rms"])
 def test_every_norm_variant_runs_forward_and_backward(norm, norm_type):

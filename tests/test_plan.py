@@ -192,26 +192,32 @@ def test_bad_input_one_line_and_status_2(model_dir, tmp_path, capsys, extra, mes
 
 
 def test_a_request_naming_no_blocks_gets_the_servers_default():
-    from serve.api import BlockLabAPI, SharedState
+    from serve.http_front import Front
     from serve.schema import ModelLimits, PredictRequest, resolve
-    from serve.testing import TinyModel
 
     limits = ModelLimits(n_layer=4, block_size=64, default_blocks="skip=1,2")
     assert resolve(PredictRequest(prompt="hello there"), limits).block_set == BlockSet(skip={1, 2})
     assert resolve(PredictRequest(prompt="hello there", blocks="all"), limits).block_set == BlockSet()
     assert resolve(PredictRequest(prompt="hello there", exit_at=2), limits).block_set == BlockSet(exit_at=2)
-    api = BlockLabAPI(TinyModel(n_layer=4, block_size=64), SharedState(4, "exit=3"))
-    api.load("cpu")
-    assert api.decode_request(PredictRequest(prompt="hello there")).block_set == BlockSet(exit_at=3)
+
+    class LoadedPool:  # a pool whose workers have published the model: all the front end asks here
+        def limits(self) -> ModelLimits:
+            return ModelLimits(n_layer=4, block_size=64)
+
+    front = Front(LoadedPool(), default_blocks="exit=3")  # the server's --default-blocks
+    assert resolve(PredictRequest(prompt="hello there"), front.limits()).block_set == BlockSet(exit_at=3)
 
 
 def test_serve_reports_its_default_and_refuses_a_bad_one_at_start():
+    from fastapi.testclient import TestClient
+
     from serve import app
     from serve.schema import ModelLimits
     from serve.testing import TinyModel
 
-    config = app.ServeConfig(**vars(app._parser().parse_args(["--default-blocks", "skip=3"])))
-    assert app.build_server(config, TinyModel()).model_metadata["default_blocks"] == "skip=3"
+    config = app.options(["--default-blocks", "skip=3"])
+    info = TestClient(app.build(config, TinyModel()).app).get("/info").json()  # nothing started
+    assert info["model"]["default_blocks"] == "skip=3"
     app._check_default_blocks(config, ModelLimits(n_layer=4, block_size=64))
     for spec, message in [("skip=9", "out of range"), ("adaptive=0.9;check=probe", "needs an exit probe")]:
         with pytest.raises(RuntimeError, match=message):

@@ -7,12 +7,12 @@ import torch
 
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
-from lab.generate import Decoder, generate, score
+from lab.decode import Decoder
+from lab.generate import generate, score
 from lab.model import GPT, Linear
 from lab.quantize import (
     QuantizedLinear,
     dequantize_int4,
-    load,
     parameter_count,
     quantize,
     quantize_groups_int4,
@@ -109,26 +109,27 @@ def test_quantized_decoding_cache_and_block_sets(dtype):
     assert len(result.token_losses) == len(prompt) - 1 and result.mean_loss > 0
 
 
-def test_load_by_dtype_name(tmp_path):
-    from lab.weights import save_model
+def test_the_loader_takes_every_dtype_by_name(tmp_path):
+    from lab.weights import load_model, save_model
 
     save_model(tiny_model(), tmp_path)
-    assert load(str(tmp_path), "bfloat16").wte.weight.dtype == torch.bfloat16
-    assert isinstance(load(str(tmp_path), "int4").blocks[0].mlp.c_fc, QuantizedLinear)
+    assert load_model(str(tmp_path), "bfloat16").wte.weight.dtype == torch.bfloat16
+    assert load_model(str(tmp_path), torch.float16).wte.weight.dtype == torch.float16  # or a torch dtype
+    assert isinstance(load_model(str(tmp_path), "int4").blocks[0].mlp.c_fc, QuantizedLinear)
     with pytest.raises(ValueError, match="dtype: one of float32, bfloat16, float16, int8, int4"):
-        load(str(tmp_path), "int3")
+        load_model(str(tmp_path), "int3")
     with pytest.raises(ValueError, match="already quantized"):
-        quantize(load(str(tmp_path), "int8"), "int8")
+        quantize(load_model(str(tmp_path), "int8"), "int8")
     with pytest.raises(ValueError, match="multiples of 32"):
         QuantizedLinear(torch.randn(32, 48), None, 4)
     with pytest.raises(ValueError, match="runs on the CPU, not meta"):
-        load(str(tmp_path), "int4", device="meta")
+        load_model(str(tmp_path), "int4", device="meta")
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_propagated_keys_and_values_are_those_the_block_writes(dtype):
     """Adaptive exit fills deeper blocks' K/V from the exit state; with quantized c_attn too."""
-    from lab.generate import propagate_kv
+    from lab.decode import propagate_kv
     from lab.model import KVCache
 
     model = quantize(tiny_model(), dtype)

@@ -118,12 +118,46 @@ def test_oversized_headers_get_400_and_the_server_keeps_serving(client):
 
 
 def test_quantized_weights_are_refused_off_the_cpu_before_anything_starts(capsys):
-    from serve.app import main
+    from lab import cli
+
+    assert cli.main(["serve", "--dtype", "int4", "--accelerator", "cuda"]) == 2
+    assert capsys.readouterr().err == (
+        "blocklab serve: --dtype int4 runs on the CPU: use --accelerator cpu (or auto)\n"
+    )
+
+
+def field_docstrings(cls) -> dict[str, str]:
+    """Each dataclass field's docstring (the string right after it in the class body)."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        field.target.id: " ".join(doc.value.value.split())
+        for field, doc in zip(body, body[1:], strict=False)
+        if isinstance(field, ast.AnnAssign)
+        and isinstance(doc, ast.Expr)
+        and isinstance(doc.value, ast.Constant)
+    }
+
+
+def test_serve_help_is_every_serve_config_field_with_its_docstring(capsys):
+    from dataclasses import fields
+
+    from serve.app import ServeConfig, options
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--dtype", "int4", "--accelerator", "cuda"])
-    assert exit_info.value.code == 2
-    assert "--dtype int4 runs on the CPU" in capsys.readouterr().err
+        options(["--help"])
+    assert exit_info.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    docstrings = field_docstrings(ServeConfig)
+    assert set(docstrings) == {field.name for field in fields(ServeConfig)}  # every field has one
+    for name, docstring in docstrings.items():
+        assert f"--{name.replace('_', '-')} " in shown and docstring in shown, name
+    assert "--batch-invariant {true,false}" in shown and "--no-X for --X false" in shown
+    config = options(["--no-batch-invariant", "--max-batch-size", "4", "--default-blocks", "skip=1"])
+    assert (config.batch_invariant, config.max_batch_size, config.default_blocks) == (False, 4, "skip=1")
 
 
 def test_api_key_is_required_everywhere_but_the_docs(server):

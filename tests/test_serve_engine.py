@@ -1,4 +1,5 @@
-"""The server's inference in-process: batched groups against ``lab.generate``, isolation, cancellation."""
+"""The server's inference in-process: batched groups against ``lab.generate``, isolation, cancellation,
+and the worker's loop fed resolved jobs through plain queues."""
 
 import random
 import time
@@ -11,10 +12,12 @@ from lab import generate as lab_generate
 from lab import tokens
 from lab.blocks import BlockSet
 from lab.model import GPT
-from serve.api import BlockLabAPI, Rejection, SharedState
-from serve.engine import Engine, Job
-from serve.schema import PredictRequest
+from lab.sampling import SamplingParams
+from serve.engine import Engine
+from serve.schema import Job, ModelLimits, PredictRequest, RequestError, resolve
+from serve.shared import SharedState
 from serve.testing import TinyModel
+from serve.worker import Order, Worker
 
 N_LAYER = 4
 PROMPT = tokens.encode("The quick brown fox jumps over")
@@ -31,16 +34,17 @@ def model():
 def job(
     block_set="all", prompt=PROMPT, max_new_tokens=6, temperature=0.0, seed=1, score=False, **extra
 ) -> Job:
+    sampling = {
+        name: extra.pop(name)
+        for name in ("top_k", "top_p", "min_tokens", "ignore_eos", "stop")
+        if name in extra
+    }
     return Job(
-        request_id=None,
         prompt_tokens=prompt,
         block_set=BlockSet.parse(block_set, N_LAYER),
         max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=extra.pop("top_k", None),
-        seed=seed,
+        sampling=SamplingParams(temperature=temperature, seed=seed, **sampling),
         score=score,
-        stream=extra.pop("stream", False),
         submitted_at=time.monotonic(),
         **extra,
     )
@@ -62,11 +66,9 @@ def alone(model, one: Job) -> list[int]:
         model,
         one.prompt_tokens,
         one.max_new_tokens,
-        temperature=one.temperature,
-        top_k=one.top_k,
-        seed=one.seed,
-        stop_token=tokens.EOT,
+        one.sampling,
         block_set=one.block_set,
+        eos_token=tokens.EOT,
     )
     return [step.token for step in steps]
 
@@ -271,10 +273,10 @@ def test_a_failing_step_is_run_again_row_by_row(model):
     shared the step with gets its tokens from a step of its own, the same as alone."""
 
     class FailsAtPosition9(type(model)):
-        def embed_tokens(self, idx, pos=0, padding=None):
+        def embed_tokens(self, idx, pos=0):
             if isinstance(pos, torch.Tensor) and bool((pos == 9).any()):
                 raise RuntimeError("injected failure at position 9")
-            return super().embed_tokens(idx, pos, padding)
+            return super().embed_tokens(idx, pos)
 
     failing_model = FailsAtPosition9(model.config)
     failing_model.load_state_dict(model.state_dict())
@@ -297,18 +299,23 @@ def test_a_job_whose_cancellation_check_raises_fails_alone(model):
             raise RuntimeError("broken client check")
         return False
 
-    jobs = [job(cancelled=cancelled_then_broken), job(prompt=PROMPT[:2]), job("skip=1")]
-    last, _ = run(Engine(model), jobs)
+    engine, last = Engine(model), {}
+    engine.add(0, job(), cancelled=cancelled_then_broken)
+    engine.add(1, job(prompt=PROMPT[:2]))
+    engine.add(2, job("skip=1"))
+    while engine.busy:
+        last.update(engine.tick())
     assert [last[p]["event"] for p in range(3)] == ["error", "done", "done"]
     assert last[0]["status"] == 500 and "broken client check" in last[0]["message"]
 
 
 def test_a_cancelled_job_stops_without_another_event(model):
     cancelled = {"now": False}
-    streaming = job(max_new_tokens=20, stream=True, cancelled=lambda: cancelled["now"])
-    events = []
-    for tick in Engine(model).run([(0, streaming), (1, job(max_new_tokens=20))]):
-        events += [event for position, event in tick if position == 0]
+    engine, events = Engine(model), []
+    engine.add(0, job(max_new_tokens=20, stream=True), cancelled=lambda: cancelled["now"])
+    engine.add(1, job(max_new_tokens=20))
+    while engine.busy:
+        events += [event for position, event in engine.tick() if position == 0]
         if len(events) == 3:
             cancelled["now"] = True
     assert len(events) == 3 and all(event["event"] == "token" for event in events)
@@ -383,34 +390,61 @@ def probed_tiny_model(device: str, config=None) -> GPT:
     return model
 
 
-def test_decode_request_rejects_what_does_not_fit_the_model():
-    api = BlockLabAPI(TinyModel(n_layer=N_LAYER, block_size=32), SharedState(max_in_flight=4))
-    api.load("cpu")
-    assert api.shared.limits().n_layer == N_LAYER
-    rejected = api.decode_request(PredictRequest(prompt="hello there", exit_at=N_LAYER + 1))
-    assert isinstance(rejected, Rejection) and rejected.status == 422 and "exit_at" in rejected.message
-    too_long = api.decode_request(PredictRequest(prompt="word " * 40, max_new_tokens=1))
-    assert isinstance(too_long, Rejection) and "context length" in too_long.message
-    for request, field in [
-        (PredictRequest(prompt="hello there", blocks="adaptive=0.9;check=probe"), "blocks"),
-        (PredictRequest(prompt="hello there", adaptive=0.9, adaptive_check="probe"), "adaptive_check"),
-    ]:  # TinyModel has no exit probe
-        no_probe = api.decode_request(request)
-        assert isinstance(no_probe, Rejection) and no_probe.status == 422
-        assert no_probe.message.startswith(f"{field}: check=probe needs an exit probe")
-    assert api.shared.model_info()["exit_probe"] is False
-    with_probe = BlockLabAPI(probed_tiny_model, SharedState(max_in_flight=4))
-    with_probe.load("cpu")
+def test_resolve_refuses_what_does_not_fit_the_model():
+    limits = ModelLimits(N_LAYER, 32)
+    for request, field, words in [
+        (PredictRequest(prompt="hello there", exit_at=N_LAYER + 1), "exit_at", "must be in 1..4"),
+        (PredictRequest(prompt="word " * 40, max_new_tokens=1), "prompt", "context length"),
+        (
+            PredictRequest(prompt="hello there", blocks="adaptive=0.9;check=probe"),
+            "blocks",
+            "needs an exit probe",
+        ),
+        (
+            PredictRequest(prompt="hello there", adaptive=0.9, adaptive_check="probe"),
+            "adaptive_check",
+            "probe",
+        ),
+        (PredictRequest(prompt="hello there", blocks="speculate=2", min_tokens=1), "min_tokens", "speculate"),
+    ]:  # the limits say: no exit probe
+        with pytest.raises(RequestError) as error:
+            resolve(request, limits)
+        assert error.value.field == field and words in error.value.message, error.value
+    resolved = resolve(PredictRequest(prompt="hello there", blocks="skip=0", seed=5), limits)
+    assert resolved.block_set == BlockSet(skip=frozenset({0})) and resolved.prompt_tokens == tokens.encode(
+        "hello there"
+    )
+    assert resolved.sampling == SamplingParams(seed=5) and resolved.max_new_tokens == 16
+    drawn = resolve(PredictRequest(prompt="hello there"), limits).sampling.seed
+    assert drawn is not None and drawn != resolve(PredictRequest(prompt="hello there"), limits).sampling.seed
+
+
+def test_the_worker_runs_resolved_jobs_from_its_inbox():
+    """``Worker.serve`` through plain queues, as the pool feeds it: orders in, a started message and
+    the events out; a cancelled order ends without an event, one that waited too long gets 504."""
+    import queue
+
+    shared = SharedState(slots=4)
+    worker = Worker(probed_tiny_model, shared, queue_timeout=60.0)
+    worker.load("cpu")
+    assert shared.limits() == ModelLimits(N_LAYER, 32, exit_probe=True)
+    assert shared.model_info()["exit_probe"] is True
     spec = "adaptive=0.9;check=probe"
-    probed = with_probe.decode_request(PredictRequest(prompt="hello there", blocks=spec))
-    assert isinstance(probed, Job) and with_probe.shared.model_info()["exit_probe"] is True
-    events = [event for tick in with_probe.predict([probed]) for _, event in tick]
-    assert events[-1]["event"] == "done" and events[-1]["response"]["block_set"] == spec
-    assert set(events[-1]["response"]["blocks_per_token"]) == {N_LAYER}  # the probe is never sure
-    accepted = api.decode_request(PredictRequest(prompt="hello there", blocks="skip=0"))
-    assert isinstance(accepted, Job) and accepted.block_set == BlockSet(skip=frozenset({0}))
-    events = [event for tick in api.predict([rejected, accepted]) for event in tick]
-    assert {position for position, _ in events} == {0, 1}
+    probed = resolve(PredictRequest(prompt="hello there", blocks=spec), shared.limits())
+    stale = replace(probed, submitted_at=time.monotonic() - 120)
+    inbox, outbox = queue.Queue(), queue.Queue()
+    shared.cancelled[2] = 3  # the third order is cancelled before it runs
+    for order in (Order(1, 0, probed), Order(2, 1, stale), Order(3, 2, probed), None):
+        inbox.put(order)
+    worker.serve(inbox, outbox, worker_id=0)  # returns at the None
+    messages = [outbox.get_nowait() for _ in range(outbox.qsize())]
+    assert [ticket for kind, ticket, _ in messages if kind == "started"] == [1, 2, 3]
+    events = {ticket: payload for kind, ticket, payload in messages if kind == "event"}
+    assert set(events) == {1, 2}  # the cancelled one sent nothing
+    assert events[1]["event"] == "done" and events[1]["response"]["block_set"] == spec
+    assert set(events[1]["response"]["blocks_per_token"]) == {N_LAYER}  # the probe is never sure
+    assert events[2]["status"] == 504 and "in the queue" in events[2]["message"]
+    assert shared.totals()["requests_done"] == 1 and shared.totals()["requests_cancelled"] == 1
 
 
 def test_a_prompts_first_token_leaves_when_its_prefill_ends(model):

@@ -199,8 +199,8 @@ def test_a_generation_past_the_request_timeout_ends_with_504(deadline_server):
     assert post(server.url, {"prompt": PROMPT, "max_new_tokens": 2}).status_code == 200  # the worker is free
 
 
-def test_a_step_that_never_returns_gets_504_from_the_gateway(deadline_server):
-    """The worker checks the deadline between steps; a step stuck for 8 s is the gateway's to end."""
+def test_a_step_that_never_returns_gets_504_from_the_http_side(deadline_server):
+    """The worker checks the deadline between steps; a step stuck for 8 s is the HTTP side's to end."""
     started = time.monotonic()
     response = post(deadline_server.url, slow_body())
     assert response.status_code == 504 and "stuck" in response.json()["detail"], response.text

@@ -14,9 +14,9 @@ import pytest
 from pydantic import ValidationError
 
 from lab import tokens
-from serve.app import ServeConfig, build_server
-from serve.gateway import PUBLIC_PATHS
-from serve.openai_compat import ChatCompletionRequest
+from serve.app import ServeConfig, build
+from serve.http_front import PUBLIC_PATHS
+from serve.openai_schema import ChatCompletionRequest
 from serve.schema import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, PredictRequest
 from serve.testing import ServerProcess, TinyModel
 
@@ -86,7 +86,7 @@ def raw_request(port: int, method: str, path: str, headers: dict[str, str] | Non
 
 def app_routes() -> list[tuple[str, str]]:
     """(method, path) of every route the server's app has, built in-process (nothing is started)."""
-    app = build_server(ServeConfig(api_key=KEY), model_factory=TinyModel()).app
+    app = build(ServeConfig(api_key=KEY), model_factory=TinyModel()).app
     return sorted(
         (method, route.path) for route in app.routes for method in route.methods if method != "HEAD"
     )

@@ -11,9 +11,12 @@ import torch
 from lab import tokens
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
-from lab.generate import SpeculationStats, generate, score
+from lab.generate import generate, score
 from lab.model import GPT
-from serve.engine import Engine, Job
+from lab.sampling import SamplingParams
+from lab.speculate import SpeculationStats
+from serve.engine import Engine
+from serve.schema import Job
 
 PROMPTS = ["The quick brown fox", "def main(", "import os\nimport sys", "Once upon a time there"]
 
@@ -36,9 +39,9 @@ def model() -> GPT:
     return bold(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=tokens.VOCAB_SIZE, block_size=128))
 
 
-def tokens_of(model: GPT, prompt: str, spec: str, n: int = 24, **sampling) -> list[int]:
+def tokens_of(model: GPT, prompt: str, spec: str, n: int = 24) -> list[int]:
     block_set = BlockSet.parse(spec, model.config.n_layer)
-    return [step.token for step in generate(model, tokens.encode(prompt), n, block_set=block_set, **sampling)]
+    return [step.token for step in generate(model, tokens.encode(prompt), n, block_set=block_set)]
 
 
 @pytest.mark.parametrize(
@@ -100,7 +103,7 @@ def test_sampled_speculation_draws_from_the_full_sets_distribution():
     counts: dict[tuple[int, ...], int] = {}
     n = 3000
     for seed in range(n):
-        steps = generate(model, prompt, 3, temperature=temperature, seed=seed, block_set=spec)
+        steps = generate(model, prompt, 3, SamplingParams(temperature=temperature, seed=seed), block_set=spec)
         seq = tuple(step.token for step in steps)
         counts[seq] = counts.get(seq, 0) + 1
     empirical = {seq: counts.get(seq, 0) / n for seq in exact}
@@ -112,19 +115,14 @@ def test_sampled_speculation_draws_from_the_full_sets_distribution():
     assert distance(empirical, exact) < 0.06  # sampling noise of 3,000 draws over 64 outcomes
 
 
-def job(spec: str, prompt: str, **extra) -> Job:
+def job(spec: str, prompt: str, stream: bool = False, min_tokens: int = 0) -> Job:
     return Job(
-        request_id=None,
         prompt_tokens=tokens.encode(prompt),
         block_set=BlockSet.parse(spec, 4),
-        max_new_tokens=extra.pop("max_new_tokens", 20),
-        temperature=extra.pop("temperature", 0.0),
-        top_k=None,
-        seed=extra.pop("seed", 1),
-        score=extra.pop("score", False),
-        stream=extra.pop("stream", False),
+        max_new_tokens=20,
+        sampling=SamplingParams(seed=1, min_tokens=min_tokens),
+        stream=stream,
         submitted_at=time.monotonic(),
-        **extra,
     )
 
 

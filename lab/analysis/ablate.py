@@ -1,6 +1,6 @@
 """blocklab ablate: the loss with each block skipped, and with each block overwriting the stream.
 
-    blocklab ablate                         # builtin if created, else gpt2-random; 512 corpus tokens
+    blocklab ablate                         # the builtin model; 512 corpus tokens
     blocklab ablate --mode skip --tokens 512
     blocklab ablate --model path/to/hf_dir --text notes.txt
 

@@ -1,6 +1,6 @@
 """blocklab bus: the residual stream along the stack, and how much each stage writes into it.
 
-    blocklab bus                            # builtin if created, else gpt2-random; 1024 tokens of the corpus
+    blocklab bus                            # the builtin model; 1024 tokens of the corpus
     blocklab bus --model gpt2-random --tokens 256
     blocklab bus --text notes.txt
 

@@ -4,7 +4,7 @@ Each command prints a markdown table (paste it into a README as is) or, with ``-
 object on stdout; commands that draw write a PNG (``--out``, default under ``runs/analysis/``).
 
 Models come from a spec (``--model builtin|gpt2-random|HUB_ID|DIR|CKPT`` in ``--dtype``, through
-``lab.quantize.load``) or from a config alone (``--config gpt2 --n-layer 2 ...``, random weights),
+``lab.weights.load_model``) or from a config alone (``--config gpt2 --n-layer 2 ...``, random weights),
 since counting parameters, FLOPs or time needs shapes, not trained weights.
 
 A command's flags are the fields of the option dataclasses below and of its own (``lab.flags``): the
@@ -32,6 +32,7 @@ from lab.errors import UserError
 from lab.flags import Namespace, Parser
 from lab.model import GPT
 from lab.quantize import WEIGHT_DTYPES
+from lab.weights import load_model
 
 RUNS_DIR = Path("runs") / "analysis"
 """Default folder of the PNGs, relative to the working directory (never inside the package)."""
@@ -96,7 +97,7 @@ class ModelSpec:
     """The model."""
 
     model: str | None = None
-    """builtin | gpt2-random | HUB_ID | DIR | CKPT (default: builtin if created, else gpt2-random)."""
+    """builtin | gpt2-random | HUB_ID | DIR | CKPT (default: the builtin model)."""
     dtype: WeightDtype = "float32"
     """The weights' type: float32, bfloat16, float16, or weight-only int8 / int4 (lab.quantize)."""
 
@@ -166,8 +167,7 @@ def design_from_args(args: Namespace) -> tuple[Design, GPT | None]:
 
 
 def add_model_args(p: Parser) -> None:
-    """``--model SPEC --dtype D`` or a config with random weights; default: builtin if created, else
-    gpt2-random."""
+    """``--model SPEC --dtype D`` or a config with random weights; default: the builtin model."""
     p.add_options(ModelSpec)
     add_config_args(p, RandomWeights)
 
@@ -200,13 +200,6 @@ def default_model_spec() -> str:
     from lab.weights import FORMAT_FILE, builtin_source
 
     return "builtin" if (builtin_source() / FORMAT_FILE).exists() else "gpt2-random"
-
-
-def load_model(spec: str, dtype: str = "float32") -> GPT:
-    """The model ``spec`` names, its weights in ``dtype``."""
-    from lab.quantize import load
-
-    return load(spec, dtype)
 
 
 def in_dtype(model: GPT, dtype: str) -> GPT:
@@ -246,7 +239,7 @@ def load_model_from_args(args: Namespace) -> tuple[GPT, str]:
         dtype = "" if args.dtype == "float32" else f", {args.dtype}"
         return model, f"{config_name(args)}, random weights (seed {args.seed}{dtype})"
     spec = args.model or default_model_spec()
-    chosen = "" if args.model else " (default: builtin if created, else gpt2-random)"
+    chosen = "" if args.model else " (default: the builtin model)"
     dtype = "" if args.dtype == "float32" else f" in {args.dtype}"
     return load_model(spec, args.dtype), spec + dtype + chosen
 

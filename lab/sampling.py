@@ -1,0 +1,103 @@
+"""How a token is drawn and when generation stops: one ``SamplingParams``, passed whole.
+
+    sampling = SamplingParams(temperature=0.8, top_k=40, seed=1, stop=("\\n\\n",))
+    token = pick_token(logits, sampling, generator)
+
+``lab.generate`` (one sequence) and the server's engine (many) both draw every token with
+``pick_token`` and end a generation for one of the ``FinishReason``s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from lab.errors import UserError
+
+FinishReason = Literal["stop", "length", "scored"]
+"""Why a generation ended (OpenAI's words): ``stop``, the end-of-text token was drawn or a stop
+string generated; ``length``, ``max_new_tokens`` or the context was reached; ``scored``, nothing was
+to be generated (the prompt was scored)."""
+
+
+class SamplingError(UserError):
+    """Sampling settings that cannot be used; ``field`` names the setting at fault."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are drawn and when generation stops (vLLM's name for the same thing)."""
+
+    temperature: float = 0.0
+    """0: greedy; otherwise the logits are divided by it before the softmax."""
+    top_k: int | None = None
+    """Draw from the k most likely tokens only (None: all)."""
+    top_p: float = 1.0
+    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches this."""
+    seed: int | None = None
+    """Seed of the draws (None: a fresh random one)."""
+    min_tokens: int = 0
+    """The end-of-text token is not drawn before this many new tokens."""
+    ignore_eos: bool = False
+    """End-of-text does not end the generation (it runs to its length: load tools)."""
+    stop: tuple[str, ...] = ()
+    """Generation ends once its text contains one of these; the text returned ends before it."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not self.temperature >= 0:
+            raise SamplingError("temperature", f"must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise SamplingError("top_k", f"must be >= 1, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.min_tokens < 0:
+            raise SamplingError("min_tokens", f"must be >= 0, got {self.min_tokens}")
+
+
+GREEDY = SamplingParams()
+
+
+def token_probabilities(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """The distribution a token is drawn from at temperature > 0: the softmax of logits [V] /
+    temperature, restricted to the ``top_k`` most likely and then to the smallest set whose
+    probability reaches ``top_p`` (nucleus sampling). [V]."""
+    logits = logits / sampling.temperature
+    if sampling.top_k is not None:
+        kth = torch.topk(logits, min(sampling.top_k, logits.size(-1))).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)  # [V]
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)  # [V] each
+        before = sorted_probs.cumsum(-1) - sorted_probs  # [V] mass of the more likely tokens
+        sorted_probs = sorted_probs.masked_fill(before >= sampling.top_p, 0.0)  # the most likely stays
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)  # [V]
+        probs = probs / probs.sum()
+    return probs
+
+
+def pick_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
+    """Greedy when the temperature is 0, else a draw from ``token_probabilities``. logits [V]. The one
+    sampler: ``lab.generate``, speculation and the server all draw with it."""
+    if sampling.temperature == 0.0:
+        return int(logits.argmax())
+    probs = token_probabilities(logits, sampling)  # [V]
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def seeded_generator(sampling: SamplingParams, device: torch.device) -> torch.Generator:
+    """The generator of a sequence's draws, seeded with ``sampling.seed`` (None: a fresh seed)."""
+    generator = torch.Generator(device=device)
+    if sampling.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(sampling.seed)
+    return generator

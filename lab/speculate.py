@@ -1,0 +1,133 @@
+"""Self-speculative decoding of one sequence (LayerSkip, Elhoushi et al. 2024): ``speculate=E`` sets.
+
+Each round the set's blocks below ``speculate`` draft up to ``draft_tokens`` tokens one at a time,
+read out through ``ln_f`` and the unembedding; the remaining blocks then verify every drafted
+position in one pass, continuing the draft's streams and keys and values (the first blocks never
+run twice). Greedy: the drafts up to the first the full model disagrees with, then the full model's
+token there (or after the last draft). Sampling: speculative sampling's rule (accept a draft d with
+probability min(1, p(d)/q(d)), else draw from max(0, p - q) normalised), so tokens are distributed as
+the full set's. The keys and values of rejected drafts are left past the cache's length and
+overwritten later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lab.blocks import BlockSet
+from lab.decode import Decoder
+from lab.model import GPT
+from lab.sampling import SamplingParams, pick_token, token_probabilities
+
+
+@dataclass
+class SpeculationStats:
+    """What self-speculative decoding did for one sequence."""
+
+    rounds: int = 0
+    """Verification passes."""
+    drafted: int = 0
+    accepted: int = 0
+    """Drafted tokens the full model agreed with."""
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+class Speculator:
+    """The draft and verification passes of one sequence; see the module docstring."""
+
+    def __init__(self, model: GPT, block_set: BlockSet, max_len: int):
+        self.model = model
+        self.k = block_set.draft_tokens
+        self.decoder = Decoder(model, block_set.without_speculation(), max_len=max_len)
+        self.draft_blocks = [i for i in self.decoder.blocks if i < block_set.speculate]
+        self.verify_blocks = [i for i in self.decoder.blocks if i >= block_set.speculate]
+        self.overwrite = block_set.overwrite
+        self.stats = SpeculationStats()
+
+    def _through(self, blocks: list[int], x: torch.Tensor, pos: int) -> torch.Tensor:
+        """The stream x [1, T, D] at positions pos.. through ``blocks``, writing their keys and values."""
+        return self.model.run_blocks(x, blocks, self.decoder.cache, pos, self.overwrite)  # [1, T, D]
+
+    @torch.inference_mode()
+    def round(
+        self, last: int, wanted: int, sampling: SamplingParams, generator: torch.Generator
+    ) -> list[tuple[int, float]]:
+        """Feed ``last``; the next tokens (1 to ``wanted``, at most k + 1) and their log-probabilities
+        under the full set."""
+        decoder = self.decoder
+        start = decoder.position
+        k = min(self.k, wanted - 1, decoder.cache.max_len - start - 1)
+        if k <= 0:  # no room to draft: one plain step
+            logits, _ = decoder.step(last)
+            logits = logits.float()
+            token = pick_token(logits, sampling, generator)
+            return [(token, float(logits[token] - torch.logsumexp(logits, dim=-1)))]
+        streams, drafts, draft_probs = self._draft(last, start, k, sampling, generator)
+        x = self._through(self.verify_blocks, torch.cat(streams, dim=1), start)  # [1, k+1, D]
+        target = self.model.unembed(x)[0].float()  # [k+1, V]: the full set's logits after each input
+        out = self._verify(target, drafts, draft_probs, sampling, generator)
+        self.stats.rounds += 1
+        self.stats.drafted += k
+        self.stats.accepted += len(out) - 1
+        decoder.cache.length = start + len(out)  # the inputs kept: last and the accepted drafts
+        return out
+
+    def _draft(self, last: int, start: int, k: int, sampling: SamplingParams, generator: torch.Generator):
+        """k drafted tokens after ``last``; the streams [1, 1, D] leaving the draft blocks for ``last``
+        and each draft, and the distribution each draft was drawn from (sampling only)."""
+        device = self.model.wte.weight.device
+        streams, drafts, draft_probs = [], [], []
+        token = last
+        for j in range(k + 1):  # the last draft is fed too: verification reads the full model after it
+            x = self.model.embed_tokens(torch.tensor([[token]], device=device), start + j)  # [1, 1, D]
+            streams.append(self._through(self.draft_blocks, x, start + j))
+            if j == k:
+                break
+            logits = self.model.unembed(streams[-1])[0, -1].float()  # [V]: the draft's read-out
+            if sampling.temperature == 0.0:
+                token = int(logits.argmax())
+            else:
+                draft_probs.append(token_probabilities(logits, sampling))
+                token = int(torch.multinomial(draft_probs[-1], 1, generator=generator))
+            drafts.append(token)
+        return streams, drafts, draft_probs
+
+    def _verify(
+        self,
+        target: torch.Tensor,
+        drafts: list[int],
+        draft_probs: list[torch.Tensor],
+        sampling: SamplingParams,
+        generator: torch.Generator,
+    ) -> list[tuple[int, float]]:
+        """The tokens the full set's logits ``target`` [k+1, V] keep: accepted drafts, then one of its own."""
+        greedy = sampling.temperature == 0.0
+        logprobs = torch.log_softmax(target, dim=-1)  # [k+1, V]
+        out = []
+        for j, draft in enumerate(drafts):
+            if greedy:
+                agreed = int(target[j].argmax()) == draft
+            else:
+                p, q = token_probabilities(target[j], sampling), draft_probs[j]
+                u = float(torch.rand((), generator=generator, device=target.device))
+                agreed = u * float(q[draft]) < float(p[draft])  # u < p/q, without dividing by 0
+            if agreed:
+                out.append((draft, float(logprobs[j, draft])))
+                continue
+            if greedy:
+                token = int(target[j].argmax())
+            else:
+                residual = (p - q).clamp(min=0.0)
+                total = float(residual.sum())
+                residual = residual / total if total > 0 else p
+                token = int(torch.multinomial(residual, 1, generator=generator))
+            out.append((token, float(logprobs[j, token])))
+            return out
+        token = pick_token(target[len(drafts)], sampling, generator)  # every draft agreed: one more free
+        out.append((token, float(logprobs[len(drafts), token])))
+        return out

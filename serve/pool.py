@@ -1,0 +1,186 @@
+"""The worker pool as the HTTP side sees it: submit a resolved job, read its events from a channel.
+
+    channel = pool.submit(job)          # PoolFull when every slot is taken
+    event = await channel.next_event()  # token events, then one done or error event
+    channel.close()                     # frees its slot; a job not finished yet is cancelled
+
+``WorkerPool`` is the whole interface; ``serve.litserve_adapter.LitServePool`` implements it over
+LitServe's worker processes (its ``Switchboard`` keeps the slots and routes the workers' messages
+to the channels), and the HTTP front end (``serve.http_front``) knows nothing else of the workers.
+Data flows one way: the front end calls the pool, never the reverse; a job's events come back
+through its ``Channel``.
+
+A channel's wait wakes up when an event arrives, when a worker takes the job (from then on its
+queue timeout no longer applies), and at its limits: a job no worker took within the queue timeout
+gets 504 (even if the worker that took it died without a word), and one still running
+``TIMEOUT_GRACE_S`` past its deadline gets 504 too (its worker ends it with 504 at its next step,
+so only a step that never returns gets that far). Nothing polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, suppress
+from typing import Protocol
+
+from serve.schema import Job, ModelLimits, error_event
+from serve.worker import Order
+
+WORKER_DIED = "the worker running this request died; it is being replaced, retry"
+TIMEOUT_GRACE_S = 2.0
+"""How long past a job's deadline its channel waits for the worker's own 504 (sent at its next
+step) before answering 504 itself: only a step that never returns takes that long."""
+
+
+class PoolFull(Exception):
+    """Every slot is taken: as many jobs are in flight as the pool holds."""
+
+
+class Channel:
+    """One submitted job's events, in order, as they arrive (see the module docstring).
+
+    The pool calls ``taken`` and ``deliver`` (in the event loop's thread); the HTTP side reads
+    ``next_event`` and calls ``close`` once, when it is done with the job.
+    """
+
+    def __init__(self, job: Job, queue_timeout: float, on_close: Callable[[], None]):
+        self.job = job
+        self.queue_timeout = queue_timeout
+        self.on_close = on_close
+        self.worker: int | None = None
+        """The pid of the worker process that took the job, once one has."""
+        self.finished = False
+        """The worker is done with the job: its done or error event arrived."""
+        self.closed = False
+        self._events: deque[dict] = deque()
+        self._news = asyncio.Event()
+
+    def taken(self, worker: int) -> None:
+        self.worker = worker
+        self._news.set()
+
+    def deliver(self, event: dict) -> None:
+        if self.finished:  # a worker's message after the job's end (its death was told first)
+            return
+        self.finished = event["event"] in ("done", "error")
+        self._events.append(event)
+        self._news.set()
+
+    async def next_event(self) -> dict:
+        """The next event; a ``done`` or ``error`` event is the last. Past a limit, a 504 error event
+        (the job is not finished: ``close`` then cancels it)."""
+        while not self._events:
+            now = time.monotonic()
+            queue_limit = self.job.submitted_at + self.queue_timeout if self.worker is None else math.inf
+            hard_limit = self.job.deadline + TIMEOUT_GRACE_S
+            if now > queue_limit:
+                return error_event(
+                    504, f"queue timeout: no worker took the request within {self.queue_timeout:g} s"
+                )
+            if now > hard_limit:
+                timeout = self.job.deadline - self.job.submitted_at
+                return error_event(
+                    504,
+                    f"request timeout: no answer within {timeout:g} s (the server's --request-timeout) "
+                    f"and {TIMEOUT_GRACE_S:g} s of grace: its worker is stuck in a step",
+                )
+            self._news.clear()
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._news.wait(), min(queue_limit, hard_limit) - now + 0.01)
+        return self._events.popleft()
+
+    def close(self) -> None:
+        """Done with the job: its slot is freed, and the job cancelled if not finished."""
+        if not self.closed:
+            self.closed = True
+            self.on_close()
+
+
+class Switchboard:
+    """A pool's bookkeeping on the HTTP side: a slot, a ticket and a channel per job in flight, and
+    the workers' messages routed to the channels (``serve.worker`` says what they are).
+
+    ``cancel(slot, ticket)`` tells the workers that the job holding ``slot`` is cancelled.
+    """
+
+    def __init__(self, slots: int, queue_timeout: float, cancel: Callable[[int, int], None]):
+        self.slots = slots
+        self.queue_timeout = queue_timeout
+        self.cancel = cancel
+        # least recently freed first, so a cancelled job's slot is reused as late as possible
+        self.free_slots = deque(range(slots))
+        self.channels: dict[int, Channel] = {}
+        self.slot_of: dict[int, int] = {}  # ticket -> slot
+        self.tickets = 0
+
+    def open(self, job: Job) -> tuple[Order, Channel]:
+        """The order a worker takes for ``job``, and its channel; PoolFull when every slot is taken."""
+        if not self.free_slots:
+            raise PoolFull(f"{self.slots} requests in flight, the most this server takes")
+        self.tickets += 1
+        ticket, slot = self.tickets, self.free_slots.popleft()
+        channel = Channel(job, self.queue_timeout, lambda: self._closed(ticket))
+        self.channels[ticket], self.slot_of[ticket] = channel, slot
+        return Order(ticket, slot, job), channel
+
+    def _closed(self, ticket: int) -> None:
+        channel, slot = self.channels.pop(ticket), self.slot_of.pop(ticket)
+        if not channel.finished:  # its worker stops it at its next step
+            self.cancel(slot, ticket)
+        self.free_slots.append(slot)
+
+    def route(self, kind: str, ticket: int, payload) -> None:
+        """A worker's message, in the event loop's thread: it took a job, sent an event, or died."""
+        if kind == "died":
+            for channel in self.channels.values():
+                if channel.worker == payload:
+                    channel.deliver(error_event(503, WORKER_DIED))
+            return
+        channel = self.channels.get(ticket)
+        if channel is None:  # closed already: its client is gone
+            return
+        if kind == "started":
+            channel.taken(payload)
+        else:
+            channel.deliver(payload)
+
+    def in_flight(self) -> int:
+        return len(self.channels)
+
+
+class WorkerPool(Protocol):
+    """The worker processes behind the HTTP side: what ``serve.http_front`` may ask of them."""
+
+    def start(self) -> None:
+        """Start the workers and wait until each has loaded the model (RuntimeError if one fails)."""
+
+    def running(self) -> AbstractAsyncContextManager[None]:
+        """While the HTTP app runs (its lifespan): deliver the workers' events on this event loop."""
+
+    def stop(self) -> None:
+        """Stop every worker and whatever else the pool started."""
+
+    def submit(self, job: Job) -> Channel:
+        """Queue ``job`` for a worker; its channel. PoolFull when every slot is taken."""
+
+    def ready(self) -> bool:
+        """Every worker has loaded the model (False while one starts or is replaced)."""
+
+    def limits(self) -> ModelLimits | None:
+        """What requests are checked against: the served model's shape (None: still loading)."""
+
+    def model_info(self) -> dict:
+        """The served model's depth, context length, vocabulary, parameters, exit probe."""
+
+    def stats(self) -> dict:
+        """Jobs in flight and the workers' counters (``serve.engine.COUNTERS``), summed."""
+
+    def describe(self) -> dict:
+        """The pool's configuration, for ``/info``."""
+
+    def worker_pids(self) -> list[int]:
+        """The worker processes, for their memory at ``/stats``."""
