@@ -194,7 +194,7 @@ def test_bad_input_one_line_and_status_2(model_dir, tmp_path, capsys, extra, mes
 def test_a_request_naming_no_blocks_gets_the_servers_default():
     from serve.api import BlockLabAPI, SharedState
     from serve.schema import ModelLimits, PredictRequest, resolve
-    from serve.testing import TinyModel
+    from tests.tiny import TinyModel
 
     limits = ModelLimits(n_layer=4, block_size=64, default_blocks="skip=1,2")
     assert resolve(PredictRequest(prompt="hello there"), limits).block_set == BlockSet(skip={1, 2})
@@ -208,7 +208,7 @@ def test_a_request_naming_no_blocks_gets_the_servers_default():
 def test_serve_reports_its_default_and_refuses_a_bad_one_at_start():
     from serve import app
     from serve.schema import ModelLimits
-    from serve.testing import TinyModel
+    from tests.tiny import TinyModel
 
     config = app.ServeConfig(**vars(app._parser().parse_args(["--default-blocks", "skip=3"])))
     assert app.build_server(config, TinyModel()).model_metadata["default_blocks"] == "skip=3"
@@ -250,7 +250,8 @@ def test_sets_start_from_the_kept_stream_or_run_whole_alike(monkeypatch):
 def test_a_served_default_and_latency_through_the_server():
     import httpx
 
-    from serve.testing import ServerProcess, TinyModel
+    from serve.process import ServerProcess
+    from tests.tiny import TinyModel
 
     factory = TinyModel(n_layer=4, block_size=64)
     with ServerProcess(["--threads", "1", "--default-blocks", "skip=1"], model_factory=factory) as server:

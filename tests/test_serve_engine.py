@@ -14,7 +14,7 @@ from lab.model import GPT
 from serve.api import BlockLabAPI, Rejection, SharedState
 from serve.engine import Engine, Job
 from serve.schema import PredictRequest
-from serve.testing import TinyModel
+from tests.tiny import TinyModel
 
 N_LAYER = 4
 PROMPT = tokens.encode("The quick brown fox jumps over")

@@ -21,7 +21,8 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import status_code_conformance
 
 from serve.loadgen import run_load
-from serve.testing import ServerProcess, TinyModel
+from serve.process import ServerProcess
+from tests.tiny import TinyModel
 
 pytestmark = pytest.mark.slow
 

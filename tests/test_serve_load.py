@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from serve.loadgen import KINDS, run_load
-from serve.testing import ServerProcess, TinyModel
+from serve.process import ServerProcess
+from tests.tiny import TinyModel
 
 MAX_IN_FLIGHT = 8
 REFUSALS = frozenset({200, 429, 503, 504})

@@ -11,8 +11,9 @@ from tqdm import tqdm
 from lab import tokens
 from lab.errors import UserError
 from serve import traffic
-from serve.testing import ServerProcess, TinyModel
+from serve.process import ServerProcess
 from serve.traffic import Sample, Summary
+from tests.tiny import TinyModel
 
 
 def test_default_block_sets_follow_the_depth():
