@@ -1,10 +1,11 @@
 """What every tool that measures shares: latency statistics, bootstrap intervals and the significance
 of a difference, the Pareto frontier, and the loopback check of a load generator's target.
 
-    latency_ms([0.41, 0.38, 0.52])                  # {"n": 3, "mean": 436.67, "p50": 410.0, ...}
-    interval(ttfts, np.median)                      # (low, high): 95% percentile bootstrap
-    difference(skip_ttfts, all_ttfts, np.median)    # interval of median(skip) - median(all)
-    frontier(points, x=latency, y=loss)             # the points no other beats, fastest first
+    latency_ms([0.41, 0.38, 0.52])              # {"n": 3, "mean": 436.67, "p50": 410.0, ...}
+    interval(ttfts, np.median)                  # (low, high): 95% percentile bootstrap of the median
+    skip, base = resampled(skip_ttfts, np.median, seed=1), resampled(all_ttfts, np.median, seed=2)
+    significant(ends(skip - base))              # median(skip) - median(all): does its interval exclude 0?
+    frontier(points, x=latency, y=loss)         # the points no other beats, fastest first
 
 A percentile bootstrap: resample the values with replacement, take the statistic of each resample,
 and read the 2.5th and 97.5th percentiles of those statistics. It assumes nothing about the shape of
@@ -67,7 +68,9 @@ def resampled(values: Sequence[float], statistic: Statistic, *, resamples: int =
     return np.concatenate(parts)  # [R]
 
 
-def _ends(statistics: np.ndarray) -> tuple[float, float]:
+def ends(statistics: np.ndarray) -> tuple[float, float]:
+    """The 95% interval (low, high) of bootstrap statistics: their 2.5th and 97.5th percentiles. The
+    interval of a difference is ``ends(resampled(a, ...) - resampled(b, ...))``."""
     tail = (1 - CONFIDENCE) / 2 * 100
     low, high = np.percentile(statistics, [tail, 100 - tail])
     return float(low), float(high)
@@ -78,17 +81,7 @@ def interval(values: Sequence[float], statistic: Statistic = np.median, *, seed:
     fewer than 2 values (one value says nothing of the spread)."""
     if len(values) < 2:
         return None
-    return _ends(resampled(values, statistic, seed=seed))
-
-
-def difference(
-    a: Sequence[float], b: Sequence[float], statistic: Statistic = np.median, *, seed: int = 0
-) -> tuple[float, float] | None:
-    """The 95% bootstrap interval of ``statistic(a) - statistic(b)``, both resampled independently;
-    None when either side has fewer than 2 values."""
-    if len(a) < 2 or len(b) < 2:
-        return None
-    return _ends(resampled(a, statistic, seed=seed) - resampled(b, statistic, seed=seed + 1))
+    return ends(resampled(values, statistic, seed=seed))
 
 
 def paired_difference(pairs: Sequence[tuple[float, float]], *, seed: int = 0) -> tuple[float, float] | None:

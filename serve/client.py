@@ -48,7 +48,7 @@ class StreamError(Exception):
 def parse_event(line: str | bytes) -> TokenEvent | DoneEvent | ErrorEvent:
     """One line of a stream as its event model; BadStream if it is none."""
     try:
-        return _EVENT.validate_json(line)
+        return _EVENT.validate_json(line, strict=True)
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(map(str, first["loc"])) or "line"
@@ -144,7 +144,7 @@ async def send(http: httpx.AsyncClient, body: dict, path: str = "/predict") -> R
                         reply.token_s.append(time.perf_counter() - start)
                 reply.response = reader.result()
             else:
-                reply.response = PredictResponse.model_validate_json(await answer.aread())
+                reply.response = PredictResponse.model_validate_json(await answer.aread(), strict=True)
     except StreamError as error:
         reply.status, reply.error = error.status, str(error)
     except (BadStream, ValidationError) as error:

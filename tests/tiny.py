@@ -1,5 +1,5 @@
-"""Test helpers of the server's tests: a tiny model that can be made slow or made to fail, and a
-check of whether a process still lives.
+"""Test helpers of the server's tests: a tiny model that can be made slow or made to fail, a check of
+whether a process still lives, and a valid ``/predict`` answer to fake a server with.
 
     with ServerProcess(["--max-batch-size", "8"], model_factory=TinyModel()) as server:
         ...
@@ -20,6 +20,7 @@ import torch
 from lab.config import GPTConfig
 from lab.model import GPT
 from serve.process import TINY
+from serve.schema import PredictResponse
 
 
 class _InstrumentedGPT(GPT):
@@ -81,3 +82,17 @@ def is_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def predict_response(tokens: int = 2, loss: float | None = 2.5, blocks: float = 3.0, **fields):
+    """A ``/predict`` answer as the server would send it: ``tokens`` new tokens, each running ``blocks``
+    blocks, and the prompt's mean loss (None: not scored)."""
+    score = None if loss is None else {"mean_loss": loss, "token_losses": [loss, loss]}
+    return PredictResponse.model_validate({
+        "id": None, "text": "ab" * tokens, "tokens": list(range(tokens)), "prompt_tokens": 3,
+        "finish_reason": "length", "seed": 1, "block_set": "all", "blocks_run": None,
+        "blocks_per_token": [int(blocks)] * tokens, "mean_blocks_per_token": blocks, "score": score,
+        "timings": {"queue_ms": 0.1, "prefill_ms": 1.0, "first_token_ms": 1.0, "per_token_ms": 1.0,
+                    "total_ms": 3.0},
+        "batch_size": 1, **fields,
+    })  # fmt: skip
