@@ -41,15 +41,16 @@ T = TypeVar("T")
 # Latency
 
 
-def latency_ms(seconds: Sequence[float], quantiles: Sequence[int] = (50, 90, 99)) -> dict:
+def latency_ms(seconds: Sequence[float], quantiles: Sequence[int] = (50, 90, 99), digits: int = 2) -> dict:
     """Wall times in seconds summarised in milliseconds: ``n``, ``mean``, ``p50``, ``p90``, ... (the
-    ``quantiles`` asked) and ``max``, rounded to 0.01 ms; None for each statistic when there are none."""
+    ``quantiles`` asked) and ``max``, rounded to ``digits`` decimals; None for each statistic when there
+    are none."""
     names = ["mean", *(f"p{q}" for q in quantiles), "max"]
     if len(seconds) == 0:
         return {"n": 0, **dict.fromkeys(names)}
     values = np.asarray(seconds, dtype=np.float64) * 1e3
     stats = [values.mean(), *np.percentile(values, list(quantiles)), values.max()]
-    return {"n": len(values), **{name: round(float(v), 2) for name, v in zip(names, stats, strict=True)}}
+    return {"n": len(values), **{name: round(float(v), digits) for name, v in zip(names, stats, strict=True)}}
 
 
 # ---------------------------------------------------------------------------------------------------
