@@ -27,7 +27,8 @@ import numpy as np
 from lab.errors import UserError
 
 RESAMPLES = 4000
-"""Bootstrap resamples per interval: the interval's ends then move by well under 1% between seeds."""
+"""Bootstrap resamples per interval: enough that another seed moves an interval's ends far less than
+the interval is wide."""
 CONFIDENCE = 0.95
 CHUNK_VALUES = 1 << 22
 """Most resampled values held at once (resamples x n), so a long run's intervals stay in memory."""
