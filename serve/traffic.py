@@ -75,7 +75,8 @@ class TrafficOptions:
     serve: str | None = field(default=None, metadata={"metavar": "MODEL"})
     """Start `blocklab serve --model MODEL` on a free loopback port for this run, and stop it after."""
     serve_dtype: str = "float32"
-    """The weights of the server --serve starts (int8 / int4: weight-only, see lab.quantize)."""
+    """The weights of the server --serve starts: float32, bfloat16, float16, or weight-only int8 / int4
+    (lab.quantize)."""
     api_key: str | None = None
     """The server's API key, if it has one."""
     prompts: Path | None = None
@@ -123,8 +124,10 @@ class TrafficOptions:
     target: Target | None = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.requests < 1 or self.rounds < 1:
-            raise UserError("--concurrency, --requests and --rounds must be >= 1")
+        if self.concurrency < 1 or self.requests < 1:
+            raise UserError("--concurrency and --requests must be >= 1")
+        if self.rounds < 1:
+            raise UserError("--rounds must be >= 1")
         if self.rate is not None:
             self.rates = [self.rate, *(self.rates or [])]
         if self.rates and not all(rate > 0 for rate in self.rates):
