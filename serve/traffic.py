@@ -72,7 +72,7 @@ class TrafficOptions:
 
     url: str = "http://127.0.0.1:8000"
     """The running server (loopback only, unless --allow-remote)."""
-    serve: str | None = field(default=None, metadata={"metavar": "MODEL"})
+    serve: str | None = None
     """Start `blocklab serve --model MODEL` on a free loopback port for this run, and stop it after."""
     serve_dtype: str = "float32"
     """The weights of the server --serve starts: float32, bfloat16, float16, or weight-only int8 / int4
@@ -99,7 +99,7 @@ class TrafficOptions:
     """Open loop: sweep these request rates."""
     burstiness: float = 1.0
     """Gamma shape of the arrival gaps (1: Poisson; below: burstier; above: steadier)."""
-    slo: list[str] = field(default_factory=list, metadata={"metavar": "NAME=MS"})
+    slo: list[str] = field(default_factory=list)
     """Per-request bounds for goodput, e.g. ttft_ms=200 tpot_ms=50 (also itl_ms, e2el_ms)."""
     requests: int = 16
     """Requests per block set and rate (unless --duration), spread over the rounds."""
@@ -107,7 +107,7 @@ class TrafficOptions:
     """Seconds per block set and rate instead of a request count, spread over the rounds."""
     max_new_tokens: int = 16
     """Tokens generated per request."""
-    target_ci: str | None = field(default=None, metadata={"metavar": "MS|PCT%"})
+    target_ci: str | None = None
     """More rounds until every median's 95% interval is at most this wide: milliseconds, or a percentage
     of the median (5%)."""
     budget: float = 300.0
