@@ -199,9 +199,11 @@ def compare(runs: list[Run], summaries: list[Summary], seed: int = 0) -> list[Su
         base = next(((run, s) for run, s in pairs if run.block_set == "all"), None)
         if base is not None:
             for run, summary in pairs:
-                _against(run, summary, *base, boots)
+                _against(run, summary, *base, boots, seed)
         measured = [s for _, s in pairs if s.median_e2el_ms is not None and s.mean_loss is not None]
-        best = frontier(measured, lambda s: s.median_e2el_ms, lambda s: s.mean_loss, _beats(pairs, boots))
+        best = frontier(
+            measured, lambda s: s.median_e2el_ms, lambda s: s.mean_loss, _beats(pairs, boots, seed)
+        )
         for summary in best:
             summary.frontier = True
     return summaries
@@ -213,12 +215,12 @@ def _loss_pairs(run: Run, other: Run) -> list[tuple[float, float]]:
     return [(mine[prompt], theirs[prompt]) for prompt in sorted(mine.keys() & theirs.keys())]
 
 
-def _against(run: Run, summary: Summary, base_run: Run, base: Summary, boots: dict) -> None:
+def _against(run: Run, summary: Summary, base_run: Run, base: Summary, boots: dict, seed: int) -> None:
     """``summary``'s differences from ``base`` (the ``all`` of its rate)."""
     if summary.mean_loss is not None and base.mean_loss is not None:
         summary.loss_increase = round(summary.mean_loss - base.mean_loss, 4)
         if run is not base_run:
-            low_high = _rounded(paired_difference(_loss_pairs(run, base_run)), 4)
+            low_high = _rounded(paired_difference(_loss_pairs(run, base_run), seed=seed), 4)
             summary.loss_increase_low, summary.loss_increase_high = low_high
     for metric in MEDIANS:
         mine, theirs = boots[id(run)][metric], boots[id(base_run)][metric]
@@ -228,7 +230,7 @@ def _against(run: Run, summary: Summary, base_run: Run, base: Summary, boots: di
             setattr(summary, f"median_{metric}_ms_diff_high", high)
 
 
-def _beats(pairs: list[tuple[Run, Summary]], boots: dict):
+def _beats(pairs: list[tuple[Run, Summary]], boots: dict, seed: int):
     """``beats(q, p)`` for the frontier: q significantly faster end to end and lower in loss than p."""
     run_of = {id(summary): run for run, summary in pairs}
 
@@ -237,7 +239,7 @@ def _beats(pairs: list[tuple[Run, Summary]], boots: dict):
         q_e2el, p_e2el = boots[id(fast)]["e2el"], boots[id(slow)]["e2el"]
         if q_e2el is None or p_e2el is None or not ends(q_e2el - p_e2el)[1] < 0:
             return False
-        loss = paired_difference(_loss_pairs(fast, slow))
+        loss = paired_difference(_loss_pairs(fast, slow), seed=seed)
         return loss is not None and loss[1] < 0
 
     return beats
