@@ -24,231 +24,27 @@ running server's ``/predict`` (``--url``).
 
 from __future__ import annotations
 
-import argparse
-import ipaddress
 import json
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
-import torch.nn.functional as F
 
 from lab.blocks import BlockSet
 from lab.errors import UserError
-from lab.generate import generate, score
-from lab.hooks import capture
+from lab.flags import parse
+from lab.generate import generate
+from lab.loss_meter import LossMeter, read_windows, split, stream_angles
+from lab.measure import check_loopback, frontier
 from lab.model import GPT
 
 PRUNING = ("single", "bi", "angular", "greedy")
 """The methods that choose which blocks to skip (the others are depth rules)."""
 ADAPTIVE_THRESHOLDS = (0.7, 0.8, 0.9, 0.95)
-BATCH_TOKENS = 512
-"""Positions per batched forward pass. Small, so that one batch's logits (positions x V floats) come
-back from the allocator's free memory instead of being mapped afresh from the OS every batch, which
-spent as much system time as the work itself."""
-CACHE_BYTES = 2**30
-"""Most memory ``LossMeter`` keeps the full stack's stream in (the input of every block, every token)."""
-
-
-# ---------------------------------------------------------------------------------------------------
-# Text: windows of tokens, split into calibration and evaluation
-
-
-def windows_of(ids: list[int], window: int) -> list[list[int]]:
-    """Cut ``ids`` into windows of ``window`` + 1 tokens overlapping by one, so each token after the
-    first is predicted exactly once; the last window may be shorter (at least 2 tokens)."""
-    return [ids[start : start + window + 1] for start in range(0, max(len(ids) - 1, 0), window)]
-
-
-def read_windows(
-    model: GPT, prompts: Path | None, max_tokens: int, window: int
-) -> tuple[list[list[int]], str]:
-    """Windows of at most ``max_tokens`` GPT-2 tokens in all, and where the text came from.
-
-    ``prompts``: a ``.jsonl`` file (a ``prompt`` field or a string per line, each prompt windowed on its
-    own) or any other UTF-8 text file, windowed whole. None: the standard-library source the builtin
-    model never trained on (``lab.corpora.held_out_stdlib_files``), as ``ablate`` and ``bus`` read.
-    """
-    from lab import tokens
-    from lab.analysis.common import held_out_source
-
-    if model.config.vocab_size < tokens.VOCAB_SIZE:
-        raise UserError(
-            f"the text is GPT-2 tokens and this model's vocabulary has {model.config.vocab_size} rows"
-        )
-    window = min(window, model.config.block_size)
-    if prompts is None:
-        text, names = held_out_source(8 * max_tokens + 1024)  # ~4 characters a token: enough text
-        names = names.split(", ")
-        texts, source = [text], f"held-out standard-library source ({names[0]} .. {names[-1]})"
-    elif prompts.suffix == ".jsonl":
-        texts, source = [], str(prompts)
-        for number, line in enumerate(prompts.read_text(encoding="utf-8").splitlines(), start=1):
-            record = json.loads(line) if line.strip() else ""
-            text = record.get("prompt") if isinstance(record, dict) else record
-            if not isinstance(text, str):
-                raise UserError(f"{prompts}:{number}: expected a string or an object with a prompt field")
-            texts.append(text)
-    else:
-        texts, source = [prompts.read_text(encoding="utf-8")], str(prompts)
-    windows, total = [], 0
-    for text in texts:
-        for piece in windows_of(tokens.encode(text, allow_endoftext=True), window):
-            piece = piece[: max_tokens - total + 1]  # the +1: a window's first token is not predicted
-            if len(piece) >= 2:
-                windows.append(piece)
-                total += len(piece) - 1
-        if total >= max_tokens:
-            break
-    if total == 0:
-        raise UserError(f"{source}: no text in it")
-    if len(windows) < 2:
-        raise UserError(
-            f"{source}: {total} tokens to predict in {len(windows)} window(s); a plan needs at least two "
-            "windows (one to choose on, one to measure on)"
-        )
-    return windows, f"{source}, {total} tokens"
-
-
-def split(
-    windows: list[list[int]], calibration_share: float = 0.5
-) -> tuple[list[list[int]], list[list[int]]]:
-    """The first ``calibration_share`` of the windows to choose on, the rest to measure on: contiguous
-    parts, so the two share at most the file (or prompt) that the cut falls in."""
-    cut = min(max(1, round(len(windows) * calibration_share)), len(windows) - 1)
-    return windows[:cut], windows[cut:]
-
-
-def batches(windows: list[list[int]], device: torch.device) -> Iterator[torch.Tensor]:
-    """Windows of equal length stacked, at most ``BATCH_TOKENS`` positions a batch. [B, T+1] each."""
-    by_length: dict[int, list[list[int]]] = defaultdict(list)
-    for w in windows:
-        by_length[len(w)].append(w)
-    for length, group in by_length.items():
-        rows = max(1, BATCH_TOKENS // length)
-        for start in range(0, len(group), rows):
-            yield torch.tensor(group[start : start + rows], device=device)  # [B, T+1]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Loss under a block set
-
-
-class LossMeter:
-    """Mean next-token loss of a set of windows under any block set, each set measured once.
-
-    Fixed sets run batched. The stream entering every block under all blocks is kept (within
-    ``CACHE_BYTES``), so a set starts at its first skipped block or its exit: the blocks before it
-    would compute the same stream again. Adaptive sets decide per token, so they run window by window
-    through ``lab.generate.score``. The read-out uses the token table's distinct rows, each counted as
-    often as it repeats: exact, and for a model whose never-seen tokens share one row (the builtin
-    model: ~31k of 50257) it skips most of the unembedding, the bulk of a narrow model's work.
-    """
-
-    def __init__(self, model: GPT, windows: list[list[int]]):
-        self.model, self.windows = model, windows
-        self.tokens = sum(len(w) - 1 for w in windows)
-        self.batches = list(batches(windows, model.wte.weight.device))  # [B, T+1] each
-        self.measured: dict[str, float] = {}
-        self.mean_blocks: dict[str, float] = {}
-        """Blocks run per predicted token, per measured set (varies only under adaptive exit)."""
-        self.table = None
-        if model.read_out is None:  # a quantized read-out (lab.quantize) has no rows to compare
-            weight = model.wte.weight.detach()  # [V, D]
-            bias = model.logit_bias if model.logit_bias is not None else weight.new_zeros(len(weight))  # [V]
-            rows, self.row_of, counts = torch.unique(
-                torch.cat([weight, bias[:, None]], dim=1), dim=0, return_inverse=True, return_counts=True
-            )  # [U, D + 1]: a row and its bias, [V] token -> its row, [U]
-            self.table, self.table_bias = rows[:, :-1], rows[:, -1]  # [U, D], [U]
-            self.repeated = (counts > 1).nonzero()[:, 0]  # [R] rows that stand for several tokens
-            self.log_repeats = counts[self.repeated].float().log()  # [R]
-        cfg, weight = model.config, model.wte.weight
-        size = self.tokens * cfg.n_embd * (cfg.n_layer + 1) * weight.element_size()
-        self.cached = None
-        if size <= CACHE_BYTES:
-            self.cached = list(self.streams())
-
-    def streams(self) -> Iterator[list[torch.Tensor]]:
-        """Per batch, the stream entering each block under all blocks, then leaving the last.
-        L+1 x [B, T, D]"""
-        if self.cached is not None:
-            yield from self.cached
-            return
-        L = self.model.config.n_layer
-        names = [f"blocks.{i}.resid_pre" for i in range(L)] + [f"blocks.{L - 1}.resid_post"]
-        for idx in self.batches:
-            with torch.inference_mode(), capture(self.model, names) as seen:
-                self.model.residual_stream(idx[:, :-1])
-            yield [seen[name] for name in names]
-
-    def __call__(self, block_set: BlockSet) -> float:
-        spec = str(block_set)
-        if spec not in self.measured:
-            if block_set.is_adaptive:
-                scores = [score(self.model, w, block_set) for w in self.windows]
-                total = sum(s.mean_loss * len(s.token_losses) for s in scores)
-                ran = sum(sum(s.blocks_per_token) for s in scores)
-            else:
-                total = self._fixed_total(block_set)
-                ran = len(block_set.blocks_to_run(self.model.config.n_layer)) * self.tokens
-            self.measured[spec] = total / self.tokens
-            self.mean_blocks[spec] = ran / self.tokens
-        return self.measured[spec]
-
-    @torch.inference_mode()
-    def _fixed_total(self, block_set: BlockSet) -> float:
-        model, L = self.model, self.model.config.n_layer
-        top = L if block_set.exit_at is None else block_set.exit_at
-        first = min([*block_set.skip, *block_set.overwrite, top])  # the first block that differs
-        total = 0.0
-        for b, idx in enumerate(self.batches):
-            if self.cached is None:
-                x = model.residual_stream(idx[:, :-1], block_set=block_set)  # [B, T, D]
-            else:
-                x = self.cached[b][first]  # [B, T, D]
-                for i in [i for i in block_set.blocks_to_run(L) if i >= first]:
-                    x = model.blocks[i](x, overwrite=i in block_set.overwrite)
-            total += float(self.token_losses(x, idx[:, 1:]).double().sum())
-        return total
-
-    def token_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of ``targets`` [B, T] under the read-out of stream ``x`` [B, T, D]. [B, T]"""
-        if self.table is None:
-            logits = self.model.unembed(x).float()  # [B, T, V]
-            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
-        logits = F.linear(self.model.ln_f(x), self.table, self.table_bias).float()  # [B, T, U]
-        target = logits.gather(-1, self.row_of[targets][..., None])[..., 0]  # [B, T]
-        logits[..., self.repeated] += self.log_repeats  # a row counts once per token it stands for
-        return torch.logsumexp(logits, dim=-1) - target
-
-
-# ---------------------------------------------------------------------------------------------------
-# Proxies: how far each block (or run of blocks) turns the stream
-
-
-def stream_angles(meter: LossMeter, max_span: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean over tokens of cos(x_l, x_l+k) and of arccos(cos(x_l, x_l+k)) / pi, for every start l and
-    span k <= ``max_span`` (x_l: the stream entering block l; x_L: leaving the last), on ``meter``'s
-    windows. [L, K+1] each, NaN where l + k > L; column 0 unused."""
-    L = meter.model.config.n_layer
-    cos_sum = torch.zeros(L, max_span + 1, dtype=torch.float64)
-    angle_sum = torch.zeros_like(cos_sum)
-    for streams in meter.streams():
-        stream = [x.flatten(0, 1).double() for x in streams]  # L+1 x [N, D]
-        for start in range(L):
-            for k in range(1, min(max_span, L - start) + 1):
-                cos = F.cosine_similarity(stream[start], stream[start + k], dim=-1).clamp(-1.0, 1.0)  # [N]
-                cos_sum[start, k] += cos.sum()
-                angle_sum[start, k] += (torch.arccos(cos) / math.pi).sum()
-    valid = torch.tensor([[1 <= k <= L - start for k in range(max_span + 1)] for start in range(L)])
-    nan = torch.tensor(float("nan"), dtype=torch.float64)
-    count = meter.tokens
-    return torch.where(valid, cos_sum / count, nan), torch.where(valid, angle_sum / count, nan)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -330,17 +126,6 @@ def decode_ms(
     return {spec: min(values) for spec, values in times.items()}
 
 
-def check_loopback(url: str) -> None:
-    """``--url`` is a load generator's target: loopback only."""
-    host = urlparse(url).hostname or ""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        raise UserError(f"--url: {host or url!r} is not a loopback address")
-
-
 def served_ms(
     url: str, model: GPT, prompt: str, block_sets: list[BlockSet], new_tokens: int = 16, rounds: int = 7
 ):
@@ -388,14 +173,9 @@ class Point:
     ms_per_token: float | None
 
 
-def frontier(points: list[Point]) -> list[Point]:
-    """The points nothing faster beats on loss, fastest first (one per block set)."""
-    best, kept = math.inf, []
-    for point in sorted(unique(points), key=lambda p: (p.ms_per_token, p.loss)):
-        if point.loss < best:
-            kept.append(point)
-            best = point.loss
-    return kept
+def cheapest(points: list[Point]) -> list[Point]:
+    """The frontier: the points nothing faster beats on loss, fastest first (one per block set)."""
+    return frontier(unique(points), x=lambda p: p.ms_per_token, y=lambda p: p.loss)
 
 
 def unique(points: list[Point]) -> list[Point]:
@@ -428,6 +208,24 @@ def recommend(points: list[Point], max_loss_increase: float | None, budget_ms: f
     return min(within, key=lambda p: (p.ms_per_token, p.loss))
 
 
+def measure_points(
+    meter: LossMeter, chosen: dict[str, list[BlockSet]], ms: dict[str, float]
+) -> tuple[Point, dict[str, list[Point]]]:
+    """``all`` and each method's choices as points: loss on ``meter``'s windows, ``ms`` per token."""
+    L, base = meter.model.config.n_layer, meter(BlockSet())
+    methods: dict[str, list[Point]] = {}
+    for method, group in chosen.items():
+        methods[method] = []
+        for k, block_set in enumerate(group, start=1):
+            loss = meter(block_set)
+            if block_set.is_adaptive:
+                k = round(L - meter.mean_blocks[str(block_set)], 3)
+            methods[method].append(
+                Point(method, k, str(block_set), loss, loss - base, ms.get(str(block_set)))
+            )
+    return Point("all", 0, "all", base, 0.0, ms.get("all")), methods
+
+
 def make_plan(
     model: GPT,
     windows: list[list[int]],
@@ -451,19 +249,7 @@ def make_plan(
     if latency is None:
         prompt = evaluation[0][:16]
         latency = lambda block_sets: decode_ms(model, prompt, block_sets)  # noqa: E731
-    ms = latency(list(sets.values()))
-    base = meter(BlockSet())
-    all_point = Point("all", 0, "all", base, 0.0, ms.get("all"))
-    methods: dict[str, list[Point]] = {}
-    for method, group in chosen.items():
-        methods[method] = []
-        for k, block_set in enumerate(group, start=1):
-            loss = meter(block_set)
-            if block_set.is_adaptive:
-                k = round(L - meter.mean_blocks[str(block_set)], 3)
-            methods[method].append(
-                Point(method, k, str(block_set), loss, loss - base, ms.get(str(block_set)))
-            )
+    all_point, methods = measure_points(meter, chosen, latency(list(sets.values())))
     points = [all_point, *(p for group in methods.values() for p in group)]
     timed = [p for p in points if p.ms_per_token is not None]
     if budget_ms is None and max_loss_increase is None:
@@ -484,7 +270,7 @@ def make_plan(
         "all": asdict(all_point),
         "methods": {m: [asdict(p) for p in group] for m, group in methods.items()},
         "agreement": {**proxies, "excess_over_best": excess},
-        "frontier": [{**asdict(p), "methods": proposed_by[p.block_set]} for p in frontier(timed)],
+        "frontier": [{**asdict(p), "methods": proposed_by[p.block_set]} for p in cheapest(timed)],
         "recommended": {
             **asdict(best),
             "rule": f"fastest with loss increase <= {max_loss_increase:g}"
@@ -564,91 +350,82 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _parser() -> argparse.ArgumentParser:
-    from lab.quantize import WEIGHT_DTYPES
+@dataclass
+class PlanOptions:
+    """``blocklab plan``'s flags."""
 
-    p = argparse.ArgumentParser(prog="blocklab plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="builtin", help="builtin | gpt2 | gpt2-random | HF id or dir | ckpt.pt")
-    p.add_argument(
-        "--dtype", choices=WEIGHT_DTYPES, default="float32", help="weights as served (lab.quantize)"
-    )
-    p.add_argument(
-        "--prompts",
-        type=Path,
-        default=None,
-        help="text file (windowed whole) or .jsonl with a prompt field (default: held-out stdlib source)",
-    )
-    p.add_argument(
-        "--tokens", type=int, default=20_000, help="tokens of text to use, both splits (default: %(default)s)"
-    )
-    p.add_argument(
-        "--window",
-        type=int,
-        default=256,
-        help="tokens per window, at most the context (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-drop", type=int, default=4, help="K: plan for 1..K blocks dropped (default: %(default)s)"
-    )
-    bound = p.add_mutually_exclusive_group()
-    bound.add_argument(
-        "--max-loss-increase",
-        type=float,
-        default=None,
-        help="recommend the fastest set within this loss increase, nats (default: 0.1)",
-    )
-    bound.add_argument(
-        "--budget-ms-per-token",
-        type=float,
-        default=None,
-        help="recommend the lowest-loss set within this batch-1 ms per token",
-    )
-    p.add_argument("--url", default=None, help="time through this running server's /predict (loopback)")
-    p.add_argument("--out", type=Path, default=Path("runs") / "plan", help="for plan.json and plan.png")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
-    return p
+    model: str = "builtin"
+    """builtin | gpt2 | gpt2-random | HF id or dir | ckpt.pt"""
+    dtype: str = "float32"
+    """Weights as served (lab.quantize): float32, bfloat16, float16, int8, int4."""
+    prompts: Path | None = None
+    """A text file (windowed whole) or .jsonl with a prompt field (default: held-out stdlib source)."""
+    tokens: int = 20_000
+    """Tokens of text to use, both splits."""
+    window: int = 256
+    """Tokens per window, at most the context."""
+    max_drop: int = 4
+    """K: plan for 1..K blocks dropped."""
+    max_loss_increase: float | None = None
+    """Recommend the fastest set within this loss increase, nats (default: 0.1)."""
+    budget_ms_per_token: float | None = None
+    """Recommend the lowest-loss set within this batch-1 ms per token."""
+    url: str | None = None
+    """Time through this running server's /predict (loopback) instead of in-process."""
+    out: Path = field(default_factory=lambda: Path("runs") / "plan")
+    """Directory for plan.json and plan.png."""
+    threads: int | None = None
+    """Torch CPU threads (default: torch's)."""
+    json: bool = False
+    """Print the plan as JSON instead of tables."""
+
+    def __post_init__(self) -> None:
+        from lab.quantize import WEIGHT_DTYPES
+
+        if self.dtype not in WEIGHT_DTYPES:
+            raise UserError(f"--dtype: one of {', '.join(WEIGHT_DTYPES)}, got {self.dtype!r}")
+        if self.tokens < 2 or self.window < 1:
+            raise UserError(f"--tokens must be >= 2 and --window >= 1, got {self.tokens} and {self.window}")
+        if self.url is not None:
+            check_loopback(self.url)
 
 
 def main(argv: list[str]) -> int:
     """``blocklab plan ...``; a user error (``UserError``, a missing file) is one line and status 2,
     printed by ``lab.cli``."""
-    args = _parser().parse_args(argv[1:])
-    report = run(args)
-    print(json.dumps(report, indent=2) if args.json else render(report))
+    options = parse(PlanOptions, argv[1:], prog="blocklab plan", description=__doc__.split("\n\n")[0])
+    report = run(options)
+    print(json.dumps(report, indent=2) if options.json else render(report))
     return 0
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(options: PlanOptions) -> dict:
     from lab import tokens
     from lab.weights import load_model
 
     started = time.perf_counter()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.tokens < 2 or args.window < 1:
-        raise UserError(f"--tokens must be >= 2 and --window >= 1, got {args.tokens} and {args.window}")
-    if args.url is not None:
-        check_loopback(args.url)
-    model = load_model(args.model, args.dtype).eval()
-    windows, text = read_windows(model, args.prompts, args.tokens, args.window)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    model = load_model(options.model, options.dtype).eval()
+    windows, text = read_windows(model, options.prompts, options.tokens, options.window)
     latency = None
-    if args.url is not None:
+    if options.url is not None:
         prompt = tokens.decode(split(windows)[1][0][:16])
-        latency = lambda block_sets: served_ms(args.url, model, prompt, block_sets)  # noqa: E731
+        latency = lambda block_sets: served_ms(options.url, model, prompt, block_sets)  # noqa: E731
     report = make_plan(
         model,
         windows,
-        args.max_drop,
-        max_loss_increase=args.max_loss_increase,
-        budget_ms=args.budget_ms_per_token,
+        options.max_drop,
+        max_loss_increase=options.max_loss_increase,
+        budget_ms=options.budget_ms_per_token,
         latency=latency,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    files = {"json": str(args.out / "plan.json"), "png": str(args.out / "plan.png")}
-    threads = torch.get_num_threads()
-    where = f"served by {args.url}" if args.url else f"in-process, torch threads: {threads}"
-    report = {"model": args.model, "text": text, "latency": where, **report, "files": files}
+    options.out.mkdir(parents=True, exist_ok=True)
+    files = {"json": str(options.out / "plan.json"), "png": str(options.out / "plan.png")}
+    where = (
+        f"served by {options.url}" if options.url else f"in-process, torch threads: {torch.get_num_threads()}"
+    )
+    report = {"model": options.model, "text": text, "latency": where, **report, "files": files}
     report["seconds"] = round(time.perf_counter() - started, 1)
     Path(files["json"]).write_text(json.dumps(report, indent=2) + "\n")
     plot(report, Path(files["png"]))

@@ -6,8 +6,9 @@ invariance).
     python scripts/bench_serve.py --json                            # the numbers as JSON
     python scripts/bench_serve.py --only scheduling --models gpt2-random:int4 builtin:float32
 
-1. Overhead at batch 1: the same one-token request to a tiny model, in-process (``serve.schema.resolve``
-   and the worker's engine, what the server runs besides HTTP) and over HTTP to a real server (keep-alive, one
+1. Overhead at batch 1: the same one-token request to a tiny random model
+   (``serve.process.save_tiny_model``), in-process (``serve.schema.resolve`` and the worker's engine,
+   what the server runs besides HTTP) and over HTTP to a real server (keep-alive, one
    client); overhead = difference of the p50s. Target: <= 1.5 ms.
 2. Throughput: GPT-2-small-shaped random weights (``gpt2-random``), requests with 16 new tokens,
    from 1 client and from 8 clients at once; ratio of requests per second. Target: >= 2x, which only
@@ -30,31 +31,57 @@ invariance).
    - 8 clients against 1: requests per second, with and without ``--no-batch-invariant``.
 
 Every number is measured in this run against a baseline of this run; the machine's load average is
-reported with them, because on a shared CPU it moves them.
+reported with them, because on a shared CPU it moves them. The requests go through ``serve.client``,
+the client ``blocklab traffic`` uses.
 """
 
-import argparse
+import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
 import httpx
 import torch
 
+from lab.flags import parse
+from lab.measure import latency_ms
+from serve.client import Reply, closed_loop, send
+from serve.process import ServerProcess, free_port, save_tiny_model
 from serve.schema import PredictRequest, resolve
 from serve.shared import SharedState
-from serve.testing import ServerProcess, TinyModel, free_port
-from serve.worker import Worker
+from serve.worker import WeightsLoader, Worker
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find"
 
 
+@dataclass
+class BenchOptions:
+    """``scripts/bench_serve.py``'s flags."""
+
+    overhead_requests: int = 300
+    """Requests of the overhead section (each in-process, to the server, to a bare FastAPI)."""
+    requests: int = 8
+    """Sequential requests of the throughput section (the concurrent ones: twice as many)."""
+    clients: int = 8
+    """Concurrent clients of the throughput section."""
+    new_tokens: int = 16
+    """New tokens per request of the throughput section."""
+    models: list[str] = field(default_factory=lambda: ["gpt2-random:int4", "builtin:float32"])
+    """MODEL:DTYPE servers for the scheduler section."""
+    only: Literal["scheduling"] | None = None
+    """Run one section."""
+    json: bool = False
+    """Print the numbers as JSON."""
+
+
 def p50_ms(seconds: list[float]) -> float:
-    return statistics.median(seconds) * 1000.0
+    return latency_ms(seconds, (50,), digits=3)["p50"]
 
 
 # The floor: the same body validated by FastAPI and answered at once, under the same uvicorn.
@@ -71,11 +98,12 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 """
 
 
-def overhead(repeats: int) -> dict:
-    """In-process, our server and a bare FastAPI endpoint in turn, so all see the same machine load."""
+def overhead(repeats: int, model_dir: Path) -> dict:
+    """In-process, our server and a bare FastAPI endpoint in turn, so all see the same machine load.
+    One plain request at a time: the time of a call, not a load."""
     body = {"prompt": "The quick brown fox", "max_new_tokens": 1, "seed": 0}
     torch.set_num_threads(1)  # as the server's worker below
-    worker = Worker(TinyModel(), SharedState(slots=1))
+    worker = Worker(WeightsLoader(str(model_dir)), SharedState(slots=1))
     worker.load("cpu")
     limits = worker.shared.limits()
 
@@ -88,7 +116,7 @@ def overhead(repeats: int) -> dict:
     times: dict[str, list[float]] = {"in_process": [], "http": [], "bare": [], "queued": [], "outside": []}
     try:
         with (
-            ServerProcess(["--threads", "1", "--model", "tiny"], model_factory=TinyModel()) as server,
+            ServerProcess(["--threads", "1", "--model", str(model_dir)]) as server,
             httpx.Client(base_url=server.url, timeout=30.0) as client,
             httpx.Client(base_url=f"http://127.0.0.1:{bare_port}", timeout=30.0) as bare_client,
         ):
@@ -108,7 +136,7 @@ def overhead(repeats: int) -> dict:
     finally:
         bare.terminate()
         bare.wait()
-    p50 = {name: round(p50_ms(values), 3) for name, values in times.items()}
+    p50 = {name: p50_ms(values) for name, values in times.items()}
     return {
         "in_process_p50_ms": p50["in_process"],
         "http_p50_ms": p50["http"],
@@ -120,45 +148,57 @@ def overhead(repeats: int) -> dict:
     }
 
 
-def throughput_and_skips(requests: int, clients: int, new_tokens: int) -> dict:
+async def answered(http: httpx.AsyncClient, body: dict) -> Reply:
+    """One request through ``serve.client``; a failed one stops the benchmark."""
+    reply = await send(http, body)
+    if not reply.ok:
+        raise RuntimeError(f"{body}: {reply.error}")
+    return reply
+
+
+async def together(
+    http: httpx.AsyncClient, bodies: list[dict], clients: int | None = None
+) -> tuple[float, list]:
+    """``bodies`` from ``clients`` closed-loop clients (default: all at once); the wall time and the
+    replies in the order of ``bodies``."""
+    start = time.perf_counter()
+    replies = await closed_loop(
+        lambda n: answered(http, bodies[n]), clients or len(bodies), count=len(bodies)
+    )
+    order = {id(body): i for i, body in enumerate(bodies)}
+    return time.perf_counter() - start, sorted(replies, key=lambda reply: order[id(reply.body)])
+
+
+async def throughput_and_skips(requests: int, clients: int, new_tokens: int) -> dict:
     body = {"prompt": PROMPT, "max_new_tokens": new_tokens, "seed": 0}
     words = PROMPT.split()
     mixed_prompts = [" ".join(words[: 2 + 2 * i]) for i in range(clients)]  # 2, 4, ... words
-    server = ServerProcess(["--model", "gpt2-random", "--max-batch-size", str(clients)])
-    with server, httpx.Client(base_url=server.url, timeout=300.0) as client:
-        depth = client.get("/info").json()["model"]["depth"]
-        client.post("/predict", json=body).raise_for_status()  # warm-up
+    with ServerProcess(["--model", "gpt2-random", "--max-batch-size", str(clients)]) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300.0) as http:
+            depth = (await http.get("/info")).json()["model"]["depth"]
+            await answered(http, body)  # warm-up
 
-        def timed(extra: dict) -> float:
-            start = time.perf_counter()
-            client.post("/predict", json={**body, **extra}).raise_for_status()
-            return time.perf_counter() - start
+            async def rates(prompts: list[str]) -> tuple[float, float]:
+                """Requests per second from 1 client, then from ``clients`` at once, cycling ``prompts``."""
+                bodies = [{**body, "prompt": prompts[i % len(prompts)]} for i in range(requests * 2)]
+                sequential_s, _ = await together(http, bodies[:requests], clients=1)
+                concurrent_s, _ = await together(http, bodies, clients=clients)
+                return requests / sequential_s, requests * 2 / concurrent_s
 
-        def rates(prompts: list[str]) -> tuple[float, float]:
-            """Requests per second from 1 client, then from ``clients`` at once, cycling ``prompts``."""
-            start = time.perf_counter()
-            for i in range(requests):
-                timed({"prompt": prompts[i % len(prompts)]})
-            sequential = requests / (time.perf_counter() - start)
-            start = time.perf_counter()
-            with ThreadPoolExecutor(clients) as pool:
-                pool_requests = range(requests * 2)
-                list(pool.map(lambda i: timed({"prompt": prompts[i % len(prompts)]}), pool_requests))
-            return sequential, requests * 2 / (time.perf_counter() - start)
-
-        sequential_rps, concurrent_rps = rates([PROMPT])
-        mixed_sequential_rps, mixed_concurrent_rps = rates(mixed_prompts)
-
-        half = depth // 2
-        block_sets = {
-            "all": "all",
-            f"skip {half} of {depth}": "skip=" + ",".join(map(str, range(half // 2, half // 2 + half))),
-            f"exit={half}": f"exit={half}",
-        }
-        latency = {
-            name: round(p50_ms([timed({"blocks": spec}) for _ in range(max(3, requests // 2))]), 1)
-            for name, spec in block_sets.items()
-        }
+            sequential_rps, concurrent_rps = await rates([PROMPT])
+            mixed_sequential_rps, mixed_concurrent_rps = await rates(mixed_prompts)
+            half = depth // 2
+            block_sets = {
+                "all": "all",
+                f"skip {half} of {depth}": "skip=" + ",".join(map(str, range(half // 2, half // 2 + half))),
+                f"exit={half}": f"exit={half}",
+            }
+            latency = {}
+            for name, spec in block_sets.items():
+                replies = [
+                    await answered(http, {**body, "blocks": spec}) for _ in range(max(3, requests // 2))
+                ]
+                latency[name] = round(p50_ms([reply.latency_s for reply in replies]), 1)
     return {
         "model": "gpt2-random",
         "new_tokens": new_tokens,
@@ -174,130 +214,111 @@ def throughput_and_skips(requests: int, clients: int, new_tokens: int) -> dict:
     }
 
 
-def _stream(client: httpx.Client, body: dict) -> tuple[float, float, dict]:
-    """Send a streaming request; (time to first token, total time, the summary) in seconds."""
-    start = time.perf_counter()
-    first, done = None, None
-    with client.stream("POST", "/predict", json={**body, "stream": True}) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line:
-                continue
-            event = json.loads(line)
-            if event["event"] == "token" and first is None:
-                first = time.perf_counter() - start
-            elif event["event"] == "done":
-                done = event["response"]
-            elif event["event"] == "error":
-                raise RuntimeError(f"{event['status']}: {event['message']}")
-    total = time.perf_counter() - start
-    return (total if first is None else first), total, done
+def streamed(body: dict, **changes) -> dict:
+    return {**body, **changes, "stream": True}
 
 
-def _at_once(client: httpx.Client, bodies: list[dict]) -> tuple[float, list[dict]]:
-    """Send ``bodies`` all at once (streaming); the wall time and the summaries."""
-    start = time.perf_counter()
-    with ThreadPoolExecutor(len(bodies)) as pool:
-        summaries = [done for _, _, done in pool.map(lambda body: _stream(client, body), bodies)]
-    return time.perf_counter() - start, summaries
-
-
-def _one_by_one(client: httpx.Client, bodies: list[dict]) -> float:
-    start = time.perf_counter()
-    for body in bodies:
-        _stream(client, body)
-    return time.perf_counter() - start
-
-
-def scheduling(model: str, dtype: str, invariant: bool = True) -> dict:
-    """Section 4 of the module docstring, on one server of ``model`` in ``dtype``."""
-    args = ["--model", model, "--dtype", dtype, "--max-batch-size", "8"]
-    if not invariant:
-        args.append("--no-batch-invariant")
-    with ServerProcess(args) as server, httpx.Client(base_url=server.url, timeout=600.0) as client:
-        info = client.get("/info").json()["model"]
-        depth = info["depth"]
-        base = {"prompt": PROMPT, "seed": 0, "temperature": 0.0}
-        _stream(client, {**base, "max_new_tokens": 4})  # warm-up
-        # a decode step alone, and a 1-token request alone
-        _, _, long_alone = _stream(client, {**base, "max_new_tokens": 64})
-        step_ms = long_alone["timings"]["per_token_ms"]
-        one_alone = [_stream(client, {**base, "max_new_tokens": 1})[1] for _ in range(5)]
-        one_alone_ms = p50_ms(one_alone)
-        # head-of-line: the same 1-token request 0.5 s into a 200-token generation
-        with ThreadPoolExecutor(2) as pool:
-            long = pool.submit(_stream, client, {**base, "max_new_tokens": 200, "prompt": "def main("})
-            time.sleep(0.5)
-            _, during, _ = _stream(client, {**base, "max_new_tokens": 1})
-            long.result()
-        # 4 streaming clients, closed loop, 16 new tokens each: time to first token
-        ttft_alone = p50_ms([_stream(client, {**base, "max_new_tokens": 16})[0] for _ in range(3)])
-        ttfts = []
-
-        def client_loop(seed: int) -> None:
-            for i in range(3):
-                ttfts.append(_stream(client, {**base, "max_new_tokens": 16, "seed": seed * 10 + i})[0])
-
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(client_loop, range(4)))
-        # 4 block sets at once against one after another; adaptive clients
-        half = depth // 2
-        skip_half = "skip=" + ",".join(map(str, range(half // 2, half // 2 + half)))
-        adaptive = "adaptive=0.8;min=2;check=probe" if info["exit_probe"] else "adaptive=0.98"
-        mixed_sets = ["all", skip_half, f"exit={half}", adaptive]
-        four = [{**base, "max_new_tokens": 32, "blocks": spec} for spec in mixed_sets]
-        sequential_s = _one_by_one(client, four)
-        together_s, _ = _at_once(client, four)
-        adaptive_bodies = [{**base, "max_new_tokens": 32, "blocks": adaptive, "seed": i} for i in range(8)]
-        one_adaptive_s = _one_by_one(client, adaptive_bodies[:2]) / 2
-        eight_adaptive_s, _ = _at_once(client, adaptive_bodies)
-        # 4 clients: time per output token under skip of half the blocks against all
-        tpot = {}
-        for spec in ("all", skip_half):
-            _, summaries = _at_once(client, [{**base, "max_new_tokens": 32, "blocks": spec, "seed": i}
-                                             for i in range(4)])  # fmt: skip
-            tpot[spec] = statistics.median(done["timings"]["per_token_ms"] for done in summaries)
-        # batch invariance: the same prompt and seed alone and among 7 others of other block sets
-        probe = {**base, "max_new_tokens": 24, "temperature": 1.0, "seed": 7, "score": True}
-        _, _, alone = _stream(client, probe)
-        other_sets = ["all", skip_half, f"exit={half}", adaptive, "all", "skip=1", "all"]
-        others = [
-            {**probe, "prompt": PROMPT[: 20 + 8 * i], "seed": i, "blocks": spec}
-            for i, spec in enumerate(other_sets)
-        ]
-        _, summaries = _at_once(client, [*others[:3], probe, *others[3:]])
-        batched = summaries[3]
-        loss_diff = max(
-            abs(a - b)
-            for a, b in zip(alone["score"]["token_losses"], batched["score"]["token_losses"], strict=True)
-        )
-        # throughput: 8 clients against 1
-        eight = [{**base, "max_new_tokens": 16, "seed": i} for i in range(16)]
-        one_rps = 4 / _one_by_one(client, eight[:4])
-        eight_s, _ = _at_once(client, eight[:8])
-        eight_s2, _ = _at_once(client, eight[8:])
-        eight_rps = 16 / (eight_s + eight_s2)
+async def head_of_line(http: httpx.AsyncClient, base: dict) -> dict:
+    """A decode step alone, a 1-token request alone, and the same 0.5 s into a 200-token generation."""
+    step_ms = (await answered(http, streamed(base, max_new_tokens=64))).response.timings.per_token_ms
+    one_alone_ms = p50_ms(
+        [(await answered(http, streamed(base, max_new_tokens=1))).latency_s for _ in range(5)]
+    )
+    long = asyncio.create_task(answered(http, streamed(base, max_new_tokens=200, prompt="def main(")))
+    await asyncio.sleep(0.5)
+    during = (await answered(http, streamed(base, max_new_tokens=1))).latency_s
+    await long
     return {
-        "model": model,
-        "dtype": dtype,
-        "batch_invariant": invariant,
         "decode_step_ms": step_ms,
         "one_token_alone_ms": round(one_alone_ms, 1),
         "one_token_during_200_token_generation_ms": round(during * 1000.0, 1),
         "head_of_line_bound_ms": round(3 * one_alone_ms + 6 * step_ms, 1),
+    }
+
+
+async def ttft_under_load(http: httpx.AsyncClient, base: dict, step_ms: float) -> dict:
+    """4 streaming clients, closed loop, 16 new tokens each: time to first token against alone."""
+    alone = [(await answered(http, streamed(base, max_new_tokens=16))).ttft_s for _ in range(3)]
+    bodies = [streamed(base, max_new_tokens=16, seed=i) for i in range(12)]
+    _, replies = await together(http, bodies, clients=4)
+    ttft_alone = p50_ms(alone)
+    return {
         "ttft_alone_ms": round(ttft_alone, 1),
-        "ttft_4_clients_p50_ms": round(p50_ms(ttfts), 1),
+        "ttft_4_clients_p50_ms": round(p50_ms([reply.ttft_s for reply in replies]), 1),
         "ttft_bound_ms": round(ttft_alone + 4 * step_ms, 1),
+    }
+
+
+async def block_sets_sharing(http: httpx.AsyncClient, base: dict, mixed_sets: list[str]) -> dict:
+    """4 block sets at once against one after another; 8 adaptive clients against one; 4 clients
+    under skip of half the blocks against all (time per output token)."""
+    four = [streamed(base, max_new_tokens=32, blocks=spec) for spec in mixed_sets]
+    sequential_s, _ = await together(http, four, clients=1)
+    together_s, _ = await together(http, four)
+    adaptive_bodies = [streamed(base, max_new_tokens=32, blocks=mixed_sets[3], seed=i) for i in range(8)]
+    one_adaptive_s = (await together(http, adaptive_bodies[:2], clients=1))[0] / 2
+    eight_adaptive_s, _ = await together(http, adaptive_bodies)
+    tpot = {}
+    for spec in mixed_sets[:2]:
+        _, replies = await together(
+            http, [streamed(base, max_new_tokens=32, blocks=spec, seed=i) for i in range(4)]
+        )
+        tpot[spec] = latency_ms([reply.response.timings.per_token_ms / 1e3 for reply in replies], (50,))[
+            "p50"
+        ]
+    return {
         "four_block_sets": mixed_sets,
         "four_block_sets_speedup": round(sequential_s / together_s, 2),
         "eight_adaptive_speedup": round(8 * one_adaptive_s / eight_adaptive_s, 2),
-        "tpot_ms_4_clients": {spec: round(ms, 2) for spec, ms in tpot.items()},
-        "tpot_skip_half_over_all": round(tpot[skip_half] / tpot["all"], 2),
-        "batched_loss_max_abs_diff": loss_diff,
-        "batched_tokens_equal": alone["tokens"] == batched["tokens"],
-        "batched_batch_size": batched["batch_size"],
-        "throughput_8_clients_over_1": round(eight_rps / one_rps, 2),
+        "tpot_ms_4_clients": tpot,
+        "tpot_skip_half_over_all": round(tpot[mixed_sets[1]] / tpot["all"], 2),
     }
+
+
+async def batch_invariance_and_throughput(http: httpx.AsyncClient, base: dict, mixed_sets: list[str]) -> dict:
+    """The same prompt and seed alone and among 7 others of other block sets; 8 clients against 1."""
+    probe = streamed(base, max_new_tokens=24, temperature=1.0, seed=7, score=True)
+    alone = (await answered(http, probe)).response
+    other_sets = [*mixed_sets, "all", "skip=1", "all"]
+    others = [
+        {**probe, "prompt": PROMPT[: 20 + 8 * i], "seed": i, "blocks": spec}
+        for i, spec in enumerate(other_sets)
+    ]
+    _, replies = await together(http, [*others[:3], probe, *others[3:]])
+    batched = replies[3].response
+    pairs = zip(alone.score.token_losses, batched.score.token_losses, strict=True)
+    eight = [streamed(base, max_new_tokens=16, seed=i) for i in range(16)]
+    one_s, _ = await together(http, eight[:4], clients=1)
+    eight_s, _ = await together(http, eight[:8])
+    eight_s2, _ = await together(http, eight[8:])
+    return {
+        "batched_loss_max_abs_diff": max(abs(a - b) for a, b in pairs),
+        "batched_tokens_equal": alone.tokens == batched.tokens,
+        "batched_batch_size": batched.batch_size,
+        "throughput_8_clients_over_1": round((16 / (eight_s + eight_s2)) / (4 / one_s), 2),
+    }
+
+
+async def scheduling(model: str, dtype: str, invariant: bool = True) -> dict:
+    """Section 4 of the module docstring, on one server of ``model`` in ``dtype``."""
+    args = ["--model", model, "--dtype", dtype, "--max-batch-size", "8"]
+    if not invariant:
+        args.append("--no-batch-invariant")
+    with ServerProcess(args) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=600.0) as http:
+            info = (await http.get("/info")).json()["model"]
+            base = {"prompt": PROMPT, "seed": 0, "temperature": 0.0}
+            await answered(http, streamed(base, max_new_tokens=4))  # warm-up
+            half = info["depth"] // 2
+            skip_half = "skip=" + ",".join(map(str, range(half // 2, half // 2 + half)))
+            adaptive = "adaptive=0.8;min=2;check=probe" if info["exit_probe"] else "adaptive=0.98"
+            mixed_sets = ["all", skip_half, f"exit={half}", adaptive]
+            result = {"model": model, "dtype": dtype, "batch_invariant": invariant}
+            result |= await head_of_line(http, base)
+            result |= await ttft_under_load(http, base, result["decode_step_ms"])
+            result |= await block_sets_sharing(http, base, mixed_sets)
+            result |= await batch_invariance_and_throughput(http, base, mixed_sets)
+    return result
 
 
 def _print_scheduling(r: dict) -> None:
@@ -329,29 +350,22 @@ def _print_scheduling(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--overhead-requests", type=int, default=300)
-    parser.add_argument("--requests", type=int, default=8, help="sequential requests (concurrent: twice)")
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument(
-        "--models",
-        nargs="+",
-        default=["gpt2-random:int4", "builtin:float32"],
-        help="MODEL:DTYPE servers for the scheduler section",
+    args = parse(
+        BenchOptions,
+        sys.argv[1:] if argv is None else argv,
+        prog="bench_serve.py",
+        description=__doc__.split("\n\n")[0],
     )
-    parser.add_argument("--only", choices=["scheduling"], default=None, help="run one section")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
     results = {"load_average_before": os.getloadavg()[0]}
     if args.only is None:
-        results["overhead"] = overhead(args.overhead_requests)
-        results["batching"] = throughput_and_skips(args.requests, args.clients, args.new_tokens)
+        with tempfile.TemporaryDirectory() as scratch:
+            results["overhead"] = overhead(args.overhead_requests, save_tiny_model(Path(scratch) / "tiny"))
+        results["batching"] = asyncio.run(throughput_and_skips(args.requests, args.clients, args.new_tokens))
     results["scheduling"] = []
     for spec in args.models:
         model, _, dtype = spec.partition(":")
         for invariant in (True, False):
-            results["scheduling"].append(scheduling(model, dtype or "float32", invariant))
+            results["scheduling"].append(asyncio.run(scheduling(model, dtype or "float32", invariant)))
     results["load_average_after"] = os.getloadavg()[0]
     if args.json:
         print(json.dumps(results, indent=2))

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from lab import cli, plan
+from lab import cli, loss_meter, plan
 from lab.blocks import BlockSet
 from lab.config import GPT2_VOCAB_SIZE, GPTConfig
 from lab.exit_probe import ExitProbe
@@ -18,7 +18,7 @@ CFG = GPTConfig(n_layer=6, n_head=2, n_embd=16, vocab_size=3000, block_size=32)
 """The library's tests run on token ids below 3000: a narrow table keeps them fast."""
 TEXT_CFG = GPTConfig(n_layer=3, n_head=2, n_embd=16, vocab_size=GPT2_VOCAB_SIZE, block_size=32)
 """The command reads text, so its model has GPT-2's vocabulary."""
-WINDOWS = plan.windows_of([(37 * i + 11) % 3000 for i in range(200)], 24)
+WINDOWS = loss_meter.windows_of([(37 * i + 11) % 3000 for i in range(200)], 24)
 
 
 def tiny(probe: bool = False) -> GPT:
@@ -40,9 +40,9 @@ def report() -> dict:
 
 
 def test_windows_overlap_by_one_token_and_split_in_two():
-    windows = plan.windows_of(list(range(10)), 4)
+    windows = loss_meter.windows_of(list(range(10)), 4)
     assert windows == [[0, 1, 2, 3, 4], [4, 5, 6, 7, 8], [8, 9]]
-    calibration, evaluation = plan.split(windows)
+    calibration, evaluation = loss_meter.split(windows)
     assert calibration == windows[:2] and evaluation == windows[2:]
 
 
@@ -77,7 +77,7 @@ def test_greedy_starts_with_the_best_single_block(report):
 
 def test_reported_loss_is_score_on_the_evaluation_split(report):
     model = tiny(probe=True)
-    _, evaluation = plan.split(WINDOWS)
+    _, evaluation = loss_meter.split(WINDOWS)
     tokens = sum(len(w) - 1 for w in evaluation)
     for point in [report["all"], report["methods"]["bi"][2], report["methods"]["adaptive"][0]]:
         block_set = BlockSet.parse(point["block_set"], CFG.n_layer)
@@ -90,7 +90,7 @@ def test_repeated_table_rows_are_counted_exactly():
     model = tiny()
     with torch.no_grad():
         model.wte.weight[2000:] = model.wte.weight[1999]  # one row for the tokens never in the text
-    meter = plan.LossMeter(model, [[t % 2000 for t in w] for w in WINDOWS[:3]])
+    meter = loss_meter.LossMeter(model, [[t % 2000 for t in w] for w in WINDOWS[:3]])
     assert meter.table.size(0) == 2000
     tokens = sum(len(w) - 1 for w in WINDOWS[:3])
     block_set = BlockSet(skip=frozenset({2}))
@@ -135,9 +135,11 @@ def test_decode_latency_is_measured_per_set():
 
 
 def test_only_loopback_servers():
-    plan.check_loopback("http://127.0.0.1:8000")
+    with pytest.raises(ValueError, match="not a loopback"):  # refused before anything is sent
+        plan.served_ms("http://192.0.2.1:8000", tiny(), "def main(", [BlockSet()])
     with pytest.raises(ValueError, match="not a loopback"):
-        plan.check_loopback("http://192.0.2.1:8000")
+        plan.PlanOptions(url="http://192.0.2.1:8000")
+    assert plan.PlanOptions(url="http://127.0.0.1:8000").url == "http://127.0.0.1:8000"
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +215,7 @@ def test_serve_reports_its_default_and_refuses_a_bad_one_at_start():
 
     from serve import app
     from serve.schema import ModelLimits
-    from serve.testing import TinyModel
+    from tests.tiny import TinyModel
 
     config = app.options(["--default-blocks", "skip=3"])
     info = TestClient(app.build(config, TinyModel()).app).get("/info").json()  # nothing started
@@ -231,11 +233,11 @@ def test_traffic_replays_a_plans_frontier(tmp_path, monkeypatch):
     plan_json.write_text(json.dumps({"frontier": [{"block_set": "exit=2"}, {"block_set": "all"}]}))
     seen = {}
 
-    async def fake_run(args, slo):
-        seen["block_sets"] = args.block_sets
+    async def fake_run(options, url):
+        seen["block_sets"] = options.block_sets
         raise SystemExit(0)
 
-    monkeypatch.setattr(traffic, "_run", fake_run)
+    monkeypatch.setattr(traffic, "run", fake_run)
     with pytest.raises(SystemExit):
         traffic.main(["traffic", "--block-sets-from", str(plan_json)])
     assert seen["block_sets"] == ["all", "exit=2"]
@@ -244,9 +246,9 @@ def test_traffic_replays_a_plans_frontier(tmp_path, monkeypatch):
 def test_sets_start_from_the_kept_stream_or_run_whole_alike(monkeypatch):
     model = tiny()
     sets = [BlockSet(skip=frozenset({2, 4})), BlockSet(exit_at=3), BlockSet(overwrite=frozenset({1}))]
-    kept = plan.LossMeter(model, WINDOWS[:4])
-    monkeypatch.setattr(plan, "CACHE_BYTES", 0)
-    whole = plan.LossMeter(model, WINDOWS[:4])
+    kept = loss_meter.LossMeter(model, WINDOWS[:4])
+    monkeypatch.setattr(loss_meter, "CACHE_BYTES", 0)
+    whole = loss_meter.LossMeter(model, WINDOWS[:4])
     assert kept.cached is not None and whole.cached is None
     for block_set in sets:
         assert kept(block_set) == pytest.approx(whole(block_set), abs=1e-6)
@@ -256,7 +258,8 @@ def test_sets_start_from_the_kept_stream_or_run_whole_alike(monkeypatch):
 def test_a_served_default_and_latency_through_the_server():
     import httpx
 
-    from serve.testing import ServerProcess, TinyModel
+    from serve.process import ServerProcess
+    from tests.tiny import TinyModel
 
     factory = TinyModel(n_layer=4, block_size=64)
     with ServerProcess(["--threads", "1", "--default-blocks", "skip=1"], model_factory=factory) as server:

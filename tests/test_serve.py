@@ -9,7 +9,8 @@ import openai
 import pytest
 
 from lab import tokens
-from serve.testing import ServerProcess, TinyModel
+from serve.process import ServerProcess
+from tests.tiny import TinyModel
 
 KEY = "test-key"
 HEADERS = {"X-API-Key": KEY}

@@ -16,8 +16,8 @@ from lab.sampling import SamplingParams
 from serve.engine import Engine
 from serve.schema import Job, ModelLimits, PredictRequest, RequestError, resolve
 from serve.shared import SharedState
-from serve.testing import TinyModel
 from serve.worker import Order, Worker
+from tests.tiny import TinyModel
 
 N_LAYER = 4
 PROMPT = tokens.encode("The quick brown fox jumps over")

@@ -17,8 +17,9 @@ from lab import tokens
 from lab.config import GPTConfig
 from lab.model import GPT
 from lab.weights import save_model
-from serve.loadgen import run_load
-from serve.testing import ServerProcess, TinyModel, descendants, is_alive
+from serve.process import ServerProcess, descendants
+from tests.soak import run_load
+from tests.tiny import TinyModel, is_alive
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import status_code_conformance
 
-from serve.loadgen import run_load
-from serve.testing import ServerProcess, TinyModel
+from serve.process import ServerProcess
+from tests.soak import run_load
+from tests.tiny import TinyModel
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from serve.testing import ServerProcess, TinyModel
+from serve.process import ServerProcess
+from tests.tiny import TinyModel
 
 READ_TIMEOUT = 1.5
 KEEP_ALIVE = 1.0

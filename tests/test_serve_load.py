@@ -1,5 +1,5 @@
 """The server under load, for a few seconds: concurrent clients on every route, then more clients than
-it admits. One tiny-model server for the module; ``serve.loadgen`` checks every answer.
+it admits. One tiny-model server for the module; ``tests.soak`` checks every answer.
 
 The longer run is ``scripts/load_test.py``. Nothing here is timed: a request without an answer within
 the client's timeout counts as lost, and that is the hang detector.
@@ -11,8 +11,9 @@ import time
 import httpx
 import pytest
 
-from serve.loadgen import KINDS, run_load
-from serve.testing import ServerProcess, TinyModel
+from serve.process import ServerProcess
+from tests.soak import KINDS, run_load
+from tests.tiny import TinyModel
 
 MAX_IN_FLIGHT = 8
 REFUSALS = frozenset({200, 429, 503, 504})

@@ -15,8 +15,9 @@ import openai
 import pytest
 
 from lab import tokens
+from serve.process import ServerProcess
 from serve.schema import MIN_TOP_P
-from serve.testing import ServerProcess, TinyModel
+from tests.tiny import TinyModel
 
 MODEL = "gpt2-random"
 CONTEXT = 256

@@ -23,8 +23,8 @@ from serve.http_front import Front
 from serve.pool import TIMEOUT_GRACE_S, Channel, PoolFull, Switchboard
 from serve.schema import Job
 from serve.shared import SharedState
-from serve.testing import TinyModel
 from serve.worker import Order, Worker
+from tests.tiny import TinyModel
 
 
 class ThreadPool:

@@ -17,8 +17,9 @@ from lab import tokens
 from serve.app import ServeConfig, build
 from serve.http_front import PUBLIC_PATHS
 from serve.openai_schema import ChatCompletionRequest
+from serve.process import ServerProcess
 from serve.schema import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, PredictRequest
-from serve.testing import ServerProcess, TinyModel
+from tests.tiny import TinyModel
 
 KEY = "s3cret-key"
 AUTH = {"X-API-Key": KEY}

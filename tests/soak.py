@@ -1,5 +1,5 @@
-"""Load on a running server: clients that each send a mix of requests until a deadline, and a check
-of every answer.
+"""The correctness soak: clients that each send a mix of requests until a deadline, and a check of
+every answer.
 
     report = run_load("http://127.0.0.1:8000", clients=6, duration_s=3.0)
     report.problems, report.unanswered, report.latency_ms["all"]["p99"]
@@ -11,13 +11,15 @@ seed unique in the run, and ``/predict`` requests an ``id`` too; both come back 
 answer is checked: its status is one of ``accept``, it echoes its own id, seed and block set, it holds
 at most ``max_new_tokens`` tokens, a stream ends with its summary (or an explicit error event, never a
 silent cut), and a refusal says why (429 with ``Retry-After``). Greedy answers to the same prompt
-under the same block set must be the same text whatever batch they ran in. Used by
-``tests/test_serve_load.py``, ``tests/test_serve_faults.py`` and ``scripts/load_test.py``.
+under the same block set must be the same text whatever batch they ran in. The clients are
+``serve.client.closed_loop``'s, and ``/predict`` streams are read by ``serve.client.StreamReader``.
+Used by ``tests/test_serve_load.py``, ``tests/test_serve_faults.py``, ``tests/test_serve_fuzz.py`` and
+``scripts/load_test.py``.
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import json
 import random
 import threading
@@ -29,6 +31,8 @@ import httpx
 import numpy as np
 
 from lab.blocks import BlockSet
+from lab.measure import latency_ms
+from serve.client import BadStream, StreamError, StreamReader, closed_loop
 from serve.traffic import default_block_sets, fit_prompt, read_prompts
 
 KINDS = (
@@ -147,11 +151,11 @@ class BadAnswer(Exception):
     """The answer broke the protocol or did not match its request."""
 
 
-class StreamError(Exception):
-    """A stream that ended with an error event: an answer, with the event's status."""
+class SseError(Exception):
+    """An OpenAI stream that ended with an error chunk: an answer, with the chunk's code."""
 
     def __init__(self, status: int, message: str):
-        super().__init__(f"error event {status}: {message}")
+        super().__init__(f"error chunk {status}: {message}")
         self.status = status
 
 
@@ -182,32 +186,23 @@ def _check_blocklab(shot: Shot, answer: dict) -> None:
     _check_echo(shot, blocklab["seed"], blocklab["block_set"], new_tokens, "max_tokens")
 
 
-def _read_ndjson(shot: Shot, lines) -> tuple[str, int, str]:
+async def _read_ndjson(shot: Shot, lines) -> tuple[str, int, str]:
     """A ``/predict`` stream: tokens in order, then the summary. (text, new tokens, echoed id)."""
-    pieces = []
-    for line in lines:
-        if not line:
-            continue
-        event = json.loads(line)
-        if event["event"] == "token":
-            if event["index"] != len(pieces):
-                raise BadAnswer(f"token event {event['index']} after {len(pieces)} tokens")
-            pieces.append(event["text"])
-        elif event["event"] == "done":
-            response = event["response"]
-            text, new_tokens = _check_summary(shot, response)
-            if new_tokens != len(pieces) or not text.startswith("".join(pieces)):
-                raise BadAnswer(f"{len(pieces)} token events but {new_tokens} tokens in the summary")
-            return text, new_tokens, response["id"]
-        else:
-            raise StreamError(event["status"], event["message"])
-    raise BadAnswer(f"the stream ended after {len(pieces)} tokens without a summary")
+    reader = StreamReader()
+    async for line in lines:
+        reader.feed(line)
+    response = reader.result()
+    text, new_tokens = _check_summary(shot, response.model_dump())
+    pieces = "".join(token.text for token in reader.tokens)
+    if new_tokens != len(reader.tokens) or not text.startswith(pieces):
+        raise BadAnswer(f"{len(reader.tokens)} token events but {new_tokens} tokens in the summary")
+    return text, new_tokens, response.id
 
 
-def _read_sse(shot: Shot, lines) -> tuple[str, int, str]:
+async def _read_sse(shot: Shot, lines) -> tuple[str, int, str]:
     """An OpenAI stream: chunks, the last with ``blocklab``, then ``[DONE]``. (text, tokens, seed)."""
     text, last = "", None
-    for line in lines:
+    async for line in lines:
         if not line:
             continue
         if not line.startswith("data: "):
@@ -220,7 +215,7 @@ def _read_sse(shot: Shot, lines) -> tuple[str, int, str]:
             return text, len(last["blocklab"]["blocks_per_token"]), str(last["blocklab"]["seed"])
         chunk = json.loads(data)
         if "error" in chunk:
-            raise StreamError(chunk["error"]["code"], chunk["error"]["message"])
+            raise SseError(chunk["error"]["code"], chunk["error"]["message"])
         choice = chunk["choices"][0]
         text += choice["text"] if "text" in choice else choice["delta"]["content"]
         last = chunk
@@ -237,56 +232,54 @@ def _read_refusal(response: httpx.Response) -> None:
         raise BadAnswer("429 without Retry-After")
 
 
-def send(http: httpx.Client, shot: Shot, accept: frozenset[int]) -> Outcome:
+async def _answer(shot: Shot, response: httpx.Response, outcome: Outcome) -> None:
+    """Read and check the answer of a 200."""
+    if shot.stream:
+        reader = _read_ndjson if shot.path == "/predict" else _read_sse
+        outcome.text, outcome.new_tokens, outcome.echoed_id = await reader(shot, response.aiter_lines())
+        return
+    answer = json.loads(await response.aread())
+    if shot.path == "/predict":
+        outcome.text, outcome.new_tokens = _check_summary(shot, answer)
+        outcome.echoed_id = answer["id"]
+    else:
+        _check_blocklab(shot, answer)
+        choice = answer["choices"][0]
+        outcome.text = choice["text"] if "text" in choice else choice["message"]["content"]
+        outcome.new_tokens = answer["usage"]["completion_tokens"]
+        outcome.echoed_id = str(answer["blocklab"]["seed"])
+
+
+async def send(http: httpx.AsyncClient, shot: Shot, accept: frozenset[int]) -> Outcome:
     """Send one shot and check its answer."""
     started = time.monotonic()
     outcome = Outcome(shot=shot, started_at=started, latency_s=0.0, status=None)
     try:
-        with http.stream("POST", shot.path, json=shot.body) as response:
+        async with http.stream("POST", shot.path, json=shot.body) as response:
             outcome.status = response.status_code
             if response.status_code != 200:
-                response.read()
+                await response.aread()
                 _read_refusal(response)
-            elif shot.stream:
-                reader = _read_ndjson if shot.path == "/predict" else _read_sse
-                outcome.text, outcome.new_tokens, outcome.echoed_id = reader(shot, response.iter_lines())
             else:
-                answer = json.loads(response.read())
-                if shot.path == "/predict":
-                    outcome.text, outcome.new_tokens = _check_summary(shot, answer)
-                    outcome.echoed_id = answer["id"]
-                else:
-                    _check_blocklab(shot, answer)
-                    choice = answer["choices"][0]
-                    outcome.text = choice["text"] if "text" in choice else choice["message"]["content"]
-                    outcome.new_tokens = answer["usage"]["completion_tokens"]
-                    outcome.echoed_id = str(answer["blocklab"]["seed"])
+                await _answer(shot, response, outcome)
             if outcome.status not in accept:
                 outcome.problem = f"status {outcome.status}: {response.text[:200]}"
-    except StreamError as error:
+    except (StreamError, SseError) as error:
         outcome.status = error.status
         if error.status not in accept:
             outcome.problem = str(error)
     except httpx.HTTPError as error:
         outcome.status = None
         outcome.problem = f"no answer: {type(error).__name__}: {error}"
-    except (BadAnswer, json.JSONDecodeError, KeyError, TypeError, IndexError, ValueError) as error:
+    except (BadAnswer, BadStream, json.JSONDecodeError, KeyError, TypeError, IndexError, ValueError) as error:
         outcome.problem = f"{type(error).__name__}: {error}"
     outcome.latency_s = time.monotonic() - started
     return outcome
 
 
 def _percentiles_ms(latencies: list[float]) -> dict[str, float | int | None]:
-    if not latencies:
-        return {"n": 0, "p50": None, "p90": None, "p99": None, "max": None}
-    values = np.array(latencies) * 1000.0
-    return {
-        "n": len(latencies),
-        "p50": round(float(np.percentile(values, 50)), 1),
-        "p90": round(float(np.percentile(values, 90)), 1),
-        "p99": round(float(np.percentile(values, 99)), 1),
-        "max": round(float(values.max()), 1),
-    }
+    stats = latency_ms(latencies)
+    return {"n": stats["n"], **{name: stats[name] for name in ("p50", "p90", "p99", "max")}}
 
 
 @dataclass
@@ -409,38 +402,35 @@ def run_load(
     refusal_pause_s: float = 0.0,
     stop: threading.Event | None = None,
 ) -> LoadReport:
-    """``clients`` threads, each sending one request after another until ``duration_s`` is up (or
+    """``clients`` clients, each sending one request after another until ``duration_s`` is up (or
     ``stop`` is set); every answer checked (see the module docstring). Each request gets at most
     ``client_timeout_s``; one without an answer by then counts as unanswered. After an answer other
     than 200 a client pauses ``refusal_pause_s`` (0: it hammers)."""
+    return asyncio.run(
+        _run_load(url, clients, duration_s, plan, headers, accept, client_timeout_s, refusal_pause_s, stop)
+    )
+
+
+async def _run_load(url, clients, duration_s, plan, headers, accept, client_timeout_s, refusal_pause_s, stop):
     timeout = httpx.Timeout(client_timeout_s, connect=min(client_timeout_s, 10.0))
-    with httpx.Client(base_url=url, headers=headers, timeout=timeout) as http:
-        info = http.get("/info").raise_for_status().json()
-        plan = plan or make_plan(info)
-        stats = http.get("/stats")
-        before = stats.json() if stats.status_code == 200 else None
+    limits = httpx.Limits(max_connections=clients + 1, max_keepalive_connections=clients + 1)
     stop = stop or threading.Event()
-    numbers = itertools.count()
-    outcomes: list[Outcome] = []
-    deadline = time.monotonic() + duration_s
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, limits=limits) as http:
+        plan = plan or make_plan((await http.get("/info")).raise_for_status().json())
+        stats = await http.get("/stats")
+        before = stats.json() if stats.status_code == 200 else None
 
-    def client() -> None:
-        with httpx.Client(base_url=url, headers=headers, timeout=timeout) as http:
-            while time.monotonic() < deadline and not stop.is_set():
-                outcome = send(http, plan.shot(next(numbers)), accept)
-                outcomes.append(outcome)
-                if outcome.status != 200:
-                    time.sleep(refusal_pause_s)
+        async def job(number: int) -> Outcome:
+            outcome = await send(http, plan.shot(number), accept)
+            if outcome.status != 200:
+                await asyncio.sleep(refusal_pause_s)
+            return outcome
 
-    started = time.monotonic()
-    threads = [threading.Thread(target=client, name=f"load-client-{i}") for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    report = summarize(outcomes, clients, time.monotonic() - started)
-    report.server_before = before
-    with httpx.Client(base_url=url, headers=headers, timeout=timeout) as http:
+        started = time.monotonic()
+        deadline = started + duration_s
+        outcomes = await closed_loop(job, clients, stop=lambda: time.monotonic() >= deadline or stop.is_set())
+        report = summarize(outcomes, clients, time.monotonic() - started)
+        report.server_before = before
         if before is not None:
-            report.server_after = http.get("/stats").json()
+            report.server_after = (await http.get("/stats")).json()
     return report

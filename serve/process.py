@@ -1,12 +1,11 @@
-"""A real server in a subprocess, and small models to serve, for tests and benchmarks.
+"""A real server in a subprocess on a free loopback port: what ``blocklab traffic --serve`` starts,
+and what the benchmarks and tests talk to.
 
-    with ServerProcess(["--max-batch-size", "8"], model_factory=TinyModel()) as server:
+    with ServerProcess(["--model", "builtin", "--max-batch-size", "8"]) as server:
         httpx.post(server.url + "/predict", json={"prompt": "Hello", "max_new_tokens": 4})
 
-``TinyModel`` is a random GPT with GPT-2's vocabulary (so the real tokenizer applies) and a few
-narrow blocks: it loads in milliseconds and runs a step in about one. Its ``step_s``,
-``slow_token`` and ``fail_token`` make every step or one request slow, or make a request raise
-inside the worker, to provoke the faults the server must survive; all are off by default.
+A ``model_factory`` (``serve.worker.ModelFactory``) instead of ``--model`` serves a model built in the
+test (``tests/tiny.py``); ``save_tiny_model`` writes a small random one for the benchmarks.
 """
 
 import os
@@ -17,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -25,62 +23,18 @@ import torch
 
 from lab.config import GPT2_VOCAB_SIZE, GPTConfig
 from lab.model import GPT
+from lab.weights import save_model
+
+TINY = GPTConfig(n_layer=4, n_head=2, n_embd=32, vocab_size=GPT2_VOCAB_SIZE, block_size=128)
+"""A random GPT this small has GPT-2's vocabulary (so the real tokenizer applies) and costs next to
+nothing per step: what a benchmark of the server, not of the model, serves."""
 
 
-class _InstrumentedGPT(GPT):
-    """A GPT whose every pass sleeps, or sleeps or raises when it sees a given token.
-
-    Hooked on ``embed_tokens``, where every pass starts (``forward``, the server's prefill, adaptive exit).
-    """
-
-    step_s: float = 0.0
-    slow_token: int | None = None
-    slow_s: float = 0.0
-    fail_token: int | None = None
-
-    def embed_tokens(self, idx: torch.Tensor, pos: int = 0) -> torch.Tensor:
-        if self.fail_token is not None and bool((idx == self.fail_token).any()):
-            raise RuntimeError(f"injected failure: token {self.fail_token} in the input")
-        if self.slow_token is not None and bool((idx == self.slow_token).any()):
-            time.sleep(self.slow_s)
-        if self.step_s:
-            time.sleep(self.step_s)
-        return super().embed_tokens(idx, pos)
-
-
-@dataclass(frozen=True)
-class TinyModel:
-    """Model factory (``serve.worker.ModelFactory``) of a small random GPT with GPT-2's vocabulary."""
-
-    n_layer: int = 4
-    n_embd: int = 32
-    n_head: int = 2
-    block_size: int = 128
-    seed: int = 0
-    step_s: float = 0.0
-    """Every pass sleeps this long first: a slower model, so requests stay in flight."""
-    slow_token: int | None = None
-    """A pass over this token sleeps ``slow_s`` first."""
-    slow_s: float = 0.0
-    fail_token: int | None = None
-    """A pass over this token raises RuntimeError."""
-
-    def config(self) -> GPTConfig:
-        return GPTConfig(
-            n_layer=self.n_layer,
-            n_head=self.n_head,
-            n_embd=self.n_embd,
-            vocab_size=GPT2_VOCAB_SIZE,
-            block_size=self.block_size,
-        )
-
-    def __call__(self, device: str) -> GPT:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            model = _InstrumentedGPT(self.config())
-        model.step_s, model.slow_token, model.slow_s = self.step_s, self.slow_token, self.slow_s
-        model.fail_token = self.fail_token
-        return model.to(device).eval()
+def save_tiny_model(directory: Path, seed: int = 0) -> Path:
+    """A random ``TINY`` model saved as a model directory (``blocklab serve --model DIR``)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return save_model(GPT(TINY), directory)
 
 
 def free_port() -> int:
@@ -107,14 +61,6 @@ def descendants(pid: int) -> set[int]:
             found.add(child)
             todo.append(child)
     return found
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 _LAUNCH = (
