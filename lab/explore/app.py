@@ -1,0 +1,208 @@
+"""blocklab explore: the Block, its parameters, the bus, ablation and the latency/loss frontier on one
+local page, computed live on your model and text.
+
+    blocklab explore                                   # builtin if created, else gpt2-random
+    blocklab explore --model gpt2-random --text notes.txt --port 8001
+    blocklab explore --host 0.0.0.0 --api-key KEY      # reachable from elsewhere: with a key
+
+The page (``static/``) is served from the package and asks nothing of any other server; each view's
+numbers are the JSON its measurement command prints (``lab.explore.reports``), fetched from
+``/api/...``. Binding anything but loopback follows ``blocklab serve``'s rule: give ``--api-key`` (or
+set ``LIT_SERVER_API_KEY``), or be warned that anyone who can reach the port can use it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import jsonargparse
+import uvicorn
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from lab.analysis.common import default_model_spec
+from lab.errors import UserError
+from lab.explore.reports import DEPTH_DEFAULTS, T_MAX, Explorer
+
+logger = logging.getLogger("blocklab.explore")
+
+STATIC = Path(__file__).parent / "static"
+PUBLIC_PREFIXES = ("/static/",)
+PUBLIC_PATHS = frozenset({"/", "/favicon.ico"})
+"""What answers without the API key: the page itself, which holds no data (every number is behind
+``/api/``)."""
+SECURITY_HEADERS = {
+    # The browser itself refuses any request to another origin: no CDN, font or tracker can slip in.
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; object-src 'none'; "
+    "base-uri 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+class ApiKeyMiddleware:
+    """Refuses (401) every request without the key but those for the page (``PUBLIC_PATHS``); the key
+    comes as ``X-API-Key: KEY`` or ``Authorization: Bearer KEY``, as ``blocklab serve`` takes it.
+
+    The rule is serve's (``serve.gateway.ApiKeyMiddleware``: deny by default, checked before routing,
+    compared in constant time); not imported from there because ``lab`` does not import ``serve``,
+    whose gateway module brings in LitServe.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        public = path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+        if scope["type"] == "lifespan" or public or self._has_key(Headers(scope=scope)):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+        else:
+            message = "missing or wrong API key (X-API-Key or Authorization: Bearer)"
+            await JSONResponse({"detail": message}, status_code=401)(scope, receive, send)
+
+    def _has_key(self, headers: Headers) -> bool:
+        given = headers.get("x-api-key")
+        if given is None:
+            scheme, _, credentials = headers.get("authorization", "").partition(" ")
+            given = credentials if scheme.lower() == "bearer" else None
+        return given is not None and secrets.compare_digest(given.encode(), self.api_key)
+
+
+def create_app(explorer: Explorer, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="blocklab explore", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.middleware("http")
+    async def security_headers(request: Request, call_next):
+        response = await call_next(request)
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+    @app.exception_handler(UserError)
+    async def user_error(_request: Request, error: UserError) -> JSONResponse:
+        return JSONResponse({"detail": str(error)}, status_code=422)
+
+    @app.get("/", include_in_schema=False)
+    def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    # Plain functions: FastAPI runs them in its thread pool, so a view being computed blocks no other.
+    @app.get("/api/info")
+    def info() -> dict:
+        return explorer.info()
+
+    @app.get("/api/block")
+    def block(T: Annotated[int, Query(ge=1, le=T_MAX)]) -> dict:
+        return explorer.block_view(T)
+
+    @app.get("/api/params")
+    def params() -> dict:
+        return explorer.params_view()
+
+    @app.get("/api/bus")
+    def bus() -> dict:
+        return explorer.bus_view()
+
+    @app.get("/api/ablate")
+    def ablate() -> dict:
+        return explorer.ablate_view()
+
+    @app.get("/api/depth")
+    def depth(
+        stacks: Annotated[list[str], Query(min_length=1, max_length=8)] = DEPTH_DEFAULTS["stacks"],
+        baseline: str = DEPTH_DEFAULTS["baseline"],
+        new: Annotated[int, Query(ge=2, le=512)] = DEPTH_DEFAULTS["new"],
+        repeats: Annotated[int, Query(ge=1, le=20)] = DEPTH_DEFAULTS["repeats"],
+    ) -> dict:
+        return explorer.depth_view(stacks, baseline, new, repeats)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------------
+# The command
+
+
+@dataclass
+class ExploreConfig:
+    """Everything ``blocklab explore`` takes; each field is a command-line option of the same name."""
+
+    model: str | None = None
+    """builtin | gpt2-random | Hugging Face id | local dir | checkpoint (default: builtin if created,
+    else gpt2-random)."""
+    text: Path | None = None
+    """UTF-8 text for the bus and ablation views (default: standard-library source the builtin model
+    never trained on)."""
+    host: str = "127.0.0.1"
+    """Address to bind; loopback unless you mean otherwise (then give --api-key)."""
+    port: int = 8001
+    """Port to bind (0: any free one; the address printed names it)."""
+    api_key: str | None = None
+    """Require this key (X-API-Key or Authorization: Bearer) for the page's data (default:
+    $LIT_SERVER_API_KEY); the page asks for it."""
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return host == "localhost"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (IPv4 or IPv6, as the host resolves), bound before the
+    address is printed, so the address printed answers."""
+    try:
+        family, *_, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        return socket.create_server(address, family=family)
+    except OSError as error:  # unknown host, address in use, port below 1024 without the right
+        raise UserError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+
+
+def parse(argv: list[str]) -> ExploreConfig:
+    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = jsonargparse.ArgumentParser(
+        prog="blocklab explore",
+        description="The Block, parameters, bus, ablation and frontier as one local page.",
+    )
+    parser.add_class_arguments(ExploreConfig, as_group=False)
+    parser.set_defaults(api_key=os.environ.get("LIT_SERVER_API_KEY"))
+    return ExploreConfig(**parser.parse_args(argv).as_dict())
+
+
+def main(argv: list[str]) -> int:
+    config = parse(argv[1:])
+    from lab.weights import load_model  # after parsing: --help stays quick
+
+    logging.basicConfig(level="INFO", format="%(name)s %(levelname)s %(message)s")
+    if not _is_loopback(config.host) and not config.api_key:
+        logger.warning("binding %s without --api-key: anyone who can reach it can use it", config.host)
+    spec = config.model or default_model_spec()
+    print(f"blocklab explore: loading {spec} ...", file=sys.stderr, flush=True)
+    explorer = Explorer(load_model(spec), spec, config.text)
+    sock = bind(config.host, config.port)
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    print(f"blocklab explore: http://{host}:{sock.getsockname()[1]}/  (Ctrl-C to stop)", flush=True)
+    if config.api_key:
+        print("blocklab explore: the page asks for the API key (or add #key=KEY to the address)", flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(explorer, config.api_key), log_level="warning"))
+    server.run(sockets=[sock])  # until Ctrl-C or SIGTERM
+    return 0
