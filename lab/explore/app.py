@@ -177,15 +177,27 @@ def bind(host: str, port: int) -> socket.socket:
         raise UserError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
+def _underscored(word: str) -> str:
+    """``--api-key=K`` -> ``--api_key=K``: a flag as argparse spells it, as jsonargparse reads it."""
+    if not word.startswith("--"):
+        return word
+    name, equals, value = word[2:].partition("=")
+    return "--" + name.replace("-", "_") + equals + value
+
+
 def parse(argv: list[str]) -> ExploreConfig:
+    """``ExploreConfig`` from the command line, its flags spelled as blocklab serve's (``--api-key``:
+    jsonargparse names them ``--api_key``)."""
     jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
     parser = jsonargparse.ArgumentParser(
         prog="blocklab explore",
         description="The Block, parameters, bus, ablation and frontier as one local page.",
     )
     parser.add_class_arguments(ExploreConfig, as_group=False)
-    parser.set_defaults(api_key=os.environ.get("LIT_SERVER_API_KEY"))
-    return ExploreConfig(**parser.parse_args(argv).as_dict())
+    config = ExploreConfig(**parser.parse_args([_underscored(word) for word in argv]).as_dict())
+    if config.api_key is None:  # read here, not as the flag's default, which --help would print
+        config.api_key = os.environ.get("LIT_SERVER_API_KEY")
+    return config
 
 
 def main(argv: list[str]) -> int:

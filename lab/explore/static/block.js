@@ -122,7 +122,7 @@ function draw(data) {
   );
   fill(document.getElementById("tensor-detail"), ...detail(report));
   fill(document.getElementById("flops-panel"), ...flopsPanel(data));
-  document.getElementById("view-block").dataset.T = String(report.T); // what the test waits for
+  document.getElementById("view-block").dataset.t = String(report.T); // what the test waits for
 }
 
 export async function showBlock(info) {

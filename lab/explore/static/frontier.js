@@ -93,7 +93,7 @@ function frontierChart(points, onFrontier, xLabel) {
 
 function drawFrontier(name, points, onFrontier, xLabel, extra) {
   const ci = (v) => (v ? `[${fmt(v[0])}, ${fmt(v[1])}]` : "-");
-  const rows = [...points].sort((a, b) => a.x - b.x).map((p) => [p.label, fmt(p.x), ci(p.xci), fmt(p.y), ci(p.yci), onFrontier.has(p.label) ? "yes" : ""]);
+  const rows = [...points].sort((a, b) => a.x - b.x).map((p) => [p.label, fmt(p.x), ci(p.xci), fmt(p.y), ci(p.yci), onFrontier.has(p.label) ? "yes" : "no"]);
   const hasIntervals = points.some((p) => p.xci || p.yci);
   fill(document.getElementById("frontier-body"), 
     h("p", {}, `from ${name}`), extra,
