@@ -40,38 +40,41 @@ def write_text(path: Path) -> Path:
     return path
 
 
-# Runs blocklab's entry point on each command line in turn, in one fresh process (torch imported once),
-# and prints [[exit status, stdout, stderr], ...] as JSON.
-_RUN_COMMANDS = """
+class Commands:
+    """A Python process of its own that runs blocklab's entry point (``lab.cli.main``) on each
+    ``blocklab ... --json`` line it is given and hands back the JSON printed: the CLI as a user runs it,
+    torch imported once for all of them. Started at once, so its imports overlap the caller's work."""
+
+    SCRIPT = """
 import contextlib, io, json, shlex, sys
 from lab.cli import main
-results = []
-for line in json.load(sys.stdin):
+for line in sys.stdin:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(shlex.split(line)[1:])
-    results.append([status, out.getvalue(), err.getvalue()])
-print(json.dumps(results))
+        status = main(shlex.split(json.loads(line))[1:])
+    print(json.dumps([status, out.getvalue(), err.getvalue()]), flush=True)
 """
 
+    def __init__(self, cwd: Path):
+        self.process = subprocess.Popen([sys.executable, "-c", self.SCRIPT], cwd=cwd, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
 
-def run_json_commands(commands: list[str], cwd: Path) -> list[dict]:
-    """The JSON each ``blocklab ... --json`` command line prints, as blocklab's entry point runs it, in a
-    process of its own (one for all of them, so torch is imported once)."""
-    assert all(line.startswith("blocklab ") for line in commands)
-    done = subprocess.run(
-        [sys.executable, "-c", _RUN_COMMANDS],
-        input=json.dumps(commands),
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
-    outputs = []
-    for line, (status, out, err) in zip(commands, json.loads(done.stdout), strict=True):
-        assert status == 0, f"{line}: {err}"
-        outputs.append(json.loads(out))
-    return outputs
+    def run(self, *lines: str) -> list[dict]:
+        outputs = []
+        for line in lines:
+            assert line.startswith("blocklab "), line
+            self.process.stdin.write(json.dumps(line) + "\n")
+            self.process.stdin.flush()
+            answer = self.process.stdout.readline()
+            assert answer, f"{line}: the process running the commands died"
+            status, out, err = json.loads(answer)
+            assert status == 0, f"{line}: {err}"
+            outputs.append(json.loads(out))
+        return outputs
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
 
 
 def assert_same_json(got, want, rel: float = 1e-6) -> None:
@@ -89,6 +92,13 @@ def assert_same_json(got, want, rel: float = 1e-6) -> None:
         assert got == pytest.approx(want, rel=rel)
     else:
         assert got == want
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    runner = Commands(tmp_path_factory.mktemp("commands"))
+    yield runner
+    runner.close()
 
 
 @pytest.fixture(scope="module")
@@ -215,21 +225,18 @@ def test_bind_refuses_a_taken_port_in_one_line():
 
 
 @pytest.mark.slow
-def test_each_payload_is_what_its_command_prints(client, tmp_path):
+def test_each_payload_is_what_its_command_prints(client, commands):
     """The CLI's --json is the contract: run the command each payload names and compare."""
     T = 40
     block, params_view = client.get(f"/api/block?T={T}").json(), client.get("/api/params").json()
     bus_view, ablate_view = client.get("/api/bus").json(), client.get("/api/ablate").json()
-    commands = [
+    cli_shapes, cli_flops, cli_params, cli_designs, cli_bus, cli_ablate = commands.run(
         block["commands"]["shapes"],
         block["commands"]["flops"],
         params_view["commands"]["model"],
         params_view["commands"]["designs"],
         bus_view["command"],
         ablate_view["command"],
-    ]
-    cli_shapes, cli_flops, cli_params, cli_designs, cli_bus, cli_ablate = run_json_commands(
-        commands, tmp_path
     )
     assert {k: v for k, v in cli_shapes.items() if k != "config"} == block["shapes"]
     assert {k: v for k, v in cli_flops.items() if k != "png"} == block["flops"]

@@ -9,6 +9,7 @@ Screenshots of each view go to docs/img/explore_*.png. Without Chromium or Selen
 say which is missing (.ci/run installs both where it can).
 """
 
+import contextlib
 import json
 import os
 import queue
@@ -20,7 +21,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_explore import run_json_commands, save_tiny_model, write_text
+from test_explore import Commands, save_tiny_model, write_text
 
 from lab.analysis.common import fmt
 
@@ -29,6 +30,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 CHROMIUM = os.environ.get("BLOCKLAB_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("BLOCKLAB_CHROMEDRIVER", "/usr/bin/chromedriver")
 SHOTS = Path(__file__).resolve().parents[1] / "docs" / "img"
+KEY = "k3y-for-the-test"
 
 
 def pct(share: float) -> str:  # the CLI's f"{100 * share:.1f}%"
@@ -67,31 +69,21 @@ def webdriver():
     ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must not look for a driver online
-    driver = selenium.Chrome(options=options, service=Service(CHROMEDRIVER))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SE_OFFLINE", "true")  # Selenium Manager must not look for a driver online
+        driver = selenium.Chrome(options=options, service=Service(CHROMEDRIVER))
     yield driver
     driver.quit()
 
 
-@pytest.fixture(scope="module")
-def page(webdriver, tmp_path_factory):
-    """``blocklab explore`` started as a user starts it, on a free port; the page open in the browser."""
-    root = tmp_path_factory.mktemp("explore_browser")
-    model = os.environ.get("BLOCKLAB_EXPLORE_MODEL") or str(save_tiny_model(root / "tiny"))
-    text = write_text(root / "text.txt")
-    command = [
-        sys.executable,
-        "-m",
-        "lab.cli",
-        "explore",
-        "--model",
-        model,
-        "--text",
-        str(text),
-        "--port",
-        "0",
-    ]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+@contextlib.contextmanager
+def explore_server(*args: str, env: dict[str, str]):
+    """``blocklab explore ARGS --port 0`` started as a user starts it, with ``env`` added to the
+    environment; the address it prints."""
+    command = [sys.executable, "-m", "lab.cli", "explore", *args, "--port", "0"]
+    server = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env}
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()
     try:
@@ -100,14 +92,39 @@ def page(webdriver, tmp_path_factory):
             line = lines.get(timeout=120)
             assert server.poll() is None, line
             url = (re.search(r"http://127\.0\.0\.1:\d+/", line) or [None])[0]
-        webdriver.get(url)
-        wait_for(
-            webdriver, lambda d: d.find_element("css selector", "body").get_attribute("data-ready") == "true"
-        )
-        yield {"driver": webdriver, "url": url, "cwd": root}
+        yield url
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model_and_text(tmp_path_factory):
+    root = tmp_path_factory.mktemp("explore_browser")
+    model = os.environ.get("BLOCKLAB_EXPLORE_MODEL") or str(save_tiny_model(root / "tiny"))
+    return model, write_text(root / "text.txt"), root
+
+
+@pytest.fixture(scope="module")
+def cli(model_and_text):
+    """The commands the page names, run as the CLI (started first: its imports overlap the server's)."""
+    runner = Commands(model_and_text[2])
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="module")
+def page(webdriver, model_and_text, cli):
+    """The page of ``blocklab explore --model M --text F``, with an API key in blocklab serve's variable,
+    open in the browser: it asks for the key, gets it typed in, and draws its first view."""
+    model, text, root = model_and_text
+    with explore_server("--model", model, "--text", str(text), env={"LIT_SERVER_API_KEY": KEY}) as url:
+        webdriver.get(url)
+        wait_for(webdriver, lambda d: find(d, "#key-form").is_displayed())
+        find(webdriver, "#api-key").send_keys(KEY)
+        find(webdriver, "#key-form button").click()
+        wait_for(webdriver, lambda d: find(d, "body").get_attribute("data-ready") == "true")
+        yield {"driver": webdriver, "url": url, "cwd": root}
 
 
 def wait_for(driver, condition, timeout: float = 120):
@@ -142,7 +159,7 @@ def page_commands(driver, view: str) -> list[str]:
     return texts(driver, f"#view-{view} p.command code")
 
 
-def test_block_view_click_a_tensor_and_drag_T(page):
+def test_block_view_click_a_tensor_and_drag_T(page, cli):
     from selenium.webdriver.common.keys import Keys
 
     d = page["driver"]
@@ -170,9 +187,7 @@ def test_block_view_click_a_tensor_and_drag_T(page):
     shapes_at_T1, flops_at_T1 = page_commands(d, "block")
     assert f"--T {T1}" in shapes_at_T1 and f"--T {T1}" in flops_at_T1
 
-    cli0, cli1, cli_flops = run_json_commands(
-        [shapes_at_T0, shapes_at_T1, without_plots(flops_at_T1)], page["cwd"]
-    )
+    cli0, cli1, cli_flops = cli.run(shapes_at_T0, shapes_at_T1, without_plots(flops_at_T1))
     row = next(r for r in cli0["rows"] if r["hook"] == "mlp.hidden")
     assert hidden == {
         "shape": str(row["shape"]),
@@ -195,7 +210,7 @@ def test_block_view_click_a_tensor_and_drag_T(page):
     }
 
 
-def test_parameters_view(page):
+def test_parameters_view(page, cli):
     d = page["driver"]
     open_view(d, "params", "#design-detail table")
     yours = {
@@ -207,7 +222,7 @@ def test_parameters_view(page):
         for k in ("total", "attention_share_of_block", "token_table_share")
     }
     screenshot(d, "params")
-    cli_model, cli_all = run_json_commands(page_commands(d, "params"), page["cwd"])
+    cli_model, cli_all = cli.run(*page_commands(d, "params"))
     assert yours == {
         "total": fmt(cli_model["total"]),
         "feed_forward_share_of_block": pct(cli_model["feed_forward_share_of_block"]),
@@ -220,7 +235,7 @@ def test_parameters_view(page):
     }
 
 
-def test_bus_and_ablation_views_toggle_overwrite_and_pick_a_block(page):
+def test_bus_and_ablation_views_toggle_overwrite_and_pick_a_block(page, cli):
     from selenium.webdriver.common.keys import Keys
 
     d = page["driver"]
@@ -245,9 +260,7 @@ def test_bus_and_ablation_views_toggle_overwrite_and_pick_a_block(page):
     lines = {k: find(d, f'#ablate-body [data-key="{k}"]').text for k in ("intact", "uniform")}
     screenshot(d, "ablate")
 
-    cli_bus, cli_ablate = run_json_commands(
-        [without_plots(bus_command), without_plots(page_commands(d, "ablate")[0])], page["cwd"]
-    )
+    cli_bus, cli_ablate = cli.run(without_plots(bus_command), without_plots(page_commands(d, "ablate")[0]))
     assert embed == fmt(cli_bus["embed"])
     keys = ["block", "resid_pre", "attn_share", "mlp_share", "resid_post", "cosine_in_out", "bookkeeping"]
     assert table == [[fmt(r[k]) for k in keys] for r in cli_bus["rows"]]
@@ -263,7 +276,7 @@ def test_bus_and_ablation_views_toggle_overwrite_and_pick_a_block(page):
     assert lines == {"intact": fmt(cli_ablate["intact"]), "uniform": fmt(cli_ablate["uniform"])}
 
 
-def test_depth_measured_and_loaded_and_a_traffic_frontier_with_intervals(page, tmp_path):
+def test_depth_measured_and_loaded_and_a_traffic_frontier_with_intervals(page, cli, tmp_path):
     d = page["driver"]
     open_view(d, "frontier", "#depth-form")
     for field, value in (("stacks", "1x32 2x16"), ("baseline", "1x32"), ("new", "3"), ("repeats", "1")):
@@ -274,7 +287,7 @@ def test_depth_measured_and_loaded_and_a_traffic_frontier_with_intervals(page, t
     wait_for(d, lambda d: d.find_elements("css selector", "#depth-table"))
     measured = [row.split() for row in texts(d, "#depth-table tbody tr")]
     depth_command = page_commands(d, "frontier")[0]
-    (cli_depth,) = run_json_commands([without_plots(depth_command)], page["cwd"])
+    (cli_depth,) = cli.run(without_plots(depth_command))
     # a timing differs from run to run: the parameters must agree, and a saved run must show as it is
     assert [(row[0], row[4]) for row in measured] == [
         (r["stack"], fmt(r["block_params"])) for r in cli_depth["rows"]
@@ -347,5 +360,18 @@ def test_no_request_left_the_machine_and_no_script_failed(page):
     origin = page["url"].rstrip("/")
     fetched = d.execute_script("return performance.getEntriesByType('resource').map((e) => e.name)")
     assert fetched and all(name.startswith(origin + "/") for name in fetched), fetched
-    errors = [entry for entry in d.get_log("browser") if entry["level"] == "SEVERE"]
+    asked_for_the_key = re.compile(r"/api/info - Failed to load resource: .* status of 401")
+    log = d.get_log("browser")
+    errors = [e for e in log if e["level"] == "SEVERE" and not asked_for_the_key.search(e["message"])]
     assert errors == []
+    assert any(asked_for_the_key.search(e["message"]) for e in log)  # the one 401 the key form answered
+
+
+def test_the_key_may_come_in_the_address(page):
+    d = page["driver"]
+    d.execute_script("sessionStorage.clear()")
+    d.get("about:blank")  # a new document, not a jump within this one
+    d.get(page["url"] + "#key=" + KEY)  # a fragment: no server or log sees it
+    wait_for(d, lambda d: find(d, "body").get_attribute("data-ready") == "true")
+    assert not find(d, "#key-form").is_displayed()
+    assert "#key=" not in d.current_url  # taken out of the address bar at once
