@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import secrets
 import time
 import uuid
 from collections import deque
@@ -30,10 +29,10 @@ from collections.abc import AsyncIterator
 from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
+from lab import api_key as key_rule
 from serve.api import BlockLabAPI
 from serve.engine import error_event
 from serve.litserve_seam import WORKER_DIED, ResponseBufferItem, event_from_worker
@@ -76,34 +75,12 @@ def error_response(path: str, status: int, detail, headers: dict[str, str] | Non
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-class ApiKeyMiddleware:
-    """Refuses (401) every request without the API key, except to ``PUBLIC_PATHS``; the key comes as
-    ``X-API-Key: KEY`` or ``Authorization: Bearer KEY`` (what the OpenAI clients send).
-
-    A middleware rather than LitServe's per-route dependency: it denies by default, so a route added
-    later cannot slip past, and it runs before the body is read or validated.
-    """
+class ApiKeyMiddleware(key_rule.ApiKeyMiddleware):
+    """``lab.api_key``'s rule (401 before routing, deny by default) with ``PUBLIC_PATHS`` open and the
+    401 in the shape of the route (OpenAI's under ``/v1/``)."""
 
     def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.api_key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        open_to_all = scope["type"] == "lifespan" or scope["path"] in PUBLIC_PATHS
-        if open_to_all or self._has_key(Headers(scope=scope)):
-            await self.app(scope, receive, send)
-        elif scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})
-        else:
-            message = "missing or wrong API key (X-API-Key or Authorization: Bearer)"
-            await error_response(scope["path"], 401, message)(scope, receive, send)
-
-    def _has_key(self, headers: Headers) -> bool:
-        given = headers.get("x-api-key")
-        if given is None:
-            scheme, _, credentials = headers.get("authorization", "").partition(" ")
-            given = credentials if scheme.lower() == "bearer" else None
-        return given is not None and secrets.compare_digest(given.encode(), self.api_key)
+        super().__init__(app, api_key, public=PUBLIC_PATHS.__contains__, refusal=error_response)
 
 
 async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -2,6 +2,7 @@
 blocklab serve, and static files that name no other origin."""
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from lab.analysis import ablate, bus, flops, params, shapes
 from lab.analysis.designs import Design
+from lab.api_key import warn_if_open
 from lab.config import GPTConfig
 from lab.errors import UserError
 from lab.explore import app as explore_app
@@ -187,11 +189,16 @@ def test_the_api_key_rule_is_serves(explorer):
     assert client.get("/api/nothing-here").status_code == 401  # denied before routing
 
 
-def test_the_key_comes_from_the_environment_and_a_wide_bind_without_one_warns(monkeypatch):
+def test_the_key_comes_from_the_environment_and_a_wide_bind_without_one_warns(monkeypatch, caplog):
     monkeypatch.setenv("LIT_SERVER_API_KEY", "from-env")
     assert explore_app.parse([]).api_key == "from-env"
     assert explore_app.parse(["--api-key", "given"]).api_key == "given"
-    assert not explore_app._is_loopback("0.0.0.0") and explore_app._is_loopback("::1")
+    logger = logging.getLogger("test_explore")
+    for host, key in (("127.0.0.1", None), ("::1", None), ("localhost", None), ("0.0.0.0", "k")):
+        warn_if_open(host, key, logger)
+    assert not caplog.records
+    warn_if_open("0.0.0.0", None, logger)
+    assert "binding 0.0.0.0 without --api-key" in caplog.text
 
 
 def test_every_response_forbids_other_origins(client):

@@ -18,12 +18,14 @@ import shutil
 import subprocess
 import sys
 import threading
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from test_explore import Commands, save_tiny_model, write_text
 
 from lab.analysis.common import fmt
+from lab.plan import Point, frontier
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -127,7 +129,7 @@ def page(webdriver, model_and_text, cli):
         yield {"driver": webdriver, "url": url, "cwd": root}
 
 
-def wait_for(driver, condition, timeout: float = 120):
+def wait_for(driver, condition, timeout: float = 300):
     from selenium.webdriver.support.ui import WebDriverWait
 
     return WebDriverWait(driver, timeout).until(condition)
@@ -329,6 +331,28 @@ def test_depth_measured_and_loaded_and_a_traffic_frontier_with_intervals(page, c
     assert [row[-1] for row in shown] == ["yes", "yes", "yes", "no"]  # skip=3,4,5: slower and worse than all
     assert len(d.find_elements("css selector", "#frontier-body .error-bar")) == 2 * 3  # x and y, for 3 sets
     screenshot(d, "frontier")
+
+    # a plan.json: its points and the frontier blocklab plan chose (lab.plan.frontier), no intervals
+    points = [
+        Point("all", 0, "all", 3.0, 0.0, 10.0),
+        Point("single", 1, "skip=1", 3.1, 0.1, 8.0),
+        Point("bi", 1, "skip=2", 3.2, 0.2, 8.5),
+        Point("single", 2, "skip=1,2", 3.5, 0.5, 6.0),
+    ]
+    plan = {
+        "all": asdict(points[0]),
+        "methods": {"single": [asdict(points[1]), asdict(points[3])], "bi": [asdict(points[2])]},
+        "frontier": [asdict(p) for p in frontier(points)],
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    find(d, "#json-file").send_keys(str(tmp_path / "plan.json"))
+    wait_for(d, lambda d: "from plan.json" in find(d, "#frontier-body").text)
+    shown = [cells.split() for cells in texts(d, "#frontier-table tbody tr")]
+    assert [(row[0], row[1], row[3], row[-1]) for row in shown] == [
+        ("skip=1,2", "6", "3.5", "yes"), ("skip=1", "8", "3.1", "yes"), ("skip=2", "8.5", "3.2", "no"),
+        ("all", "10", "3", "yes"),
+    ]  # fmt: skip
+    assert not d.find_elements("css selector", "#frontier-body .error-bar")
 
 
 def test_every_control_is_labelled_and_reached_by_tab(page):

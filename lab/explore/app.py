@@ -13,12 +13,14 @@ set ``LIT_SERVER_API_KEY``), or be warned that anyone who can reach the port can
 
 from __future__ import annotations
 
-import ipaddress
+import asyncio
+import contextlib
 import logging
 import os
-import secrets
 import socket
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -28,10 +30,9 @@ import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
-from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lab.analysis.common import default_model_spec
+from lab.api_key import ENV_VAR, ApiKeyMiddleware, warn_if_open
 from lab.errors import UserError
 from lab.explore.reports import DEPTH_DEFAULTS, T_MAX, Explorer
 
@@ -40,8 +41,6 @@ logger = logging.getLogger("blocklab.explore")
 STATIC = Path(__file__).parent / "static"
 PUBLIC_PREFIXES = ("/static/",)
 PUBLIC_PATHS = frozenset({"/", "/favicon.ico"})
-"""What answers without the API key: the page itself, which holds no data (every number is behind
-``/api/``)."""
 SECURITY_HEADERS = {
     # The browser itself refuses any request to another origin: no CDN, font or tracker can slip in.
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; object-src 'none'; "
@@ -51,42 +50,34 @@ SECURITY_HEADERS = {
 }
 
 
-class ApiKeyMiddleware:
-    """Refuses (401) every request without the key but those for the page (``PUBLIC_PATHS``); the key
-    comes as ``X-API-Key: KEY`` or ``Authorization: Bearer KEY``, as ``blocklab serve`` takes it.
+def is_public(path: str) -> bool:
+    """The page itself holds no data (every number is behind ``/api/``): it answers without the key."""
+    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
 
-    The rule is serve's (``serve.gateway.ApiKeyMiddleware``: deny by default, checked before routing,
-    compared in constant time); not imported from there because ``lab`` does not import ``serve``,
-    whose gateway module brings in LitServe.
-    """
 
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.api_key = api_key.encode()
+async def off_the_loop(compute: Callable[[], dict]) -> dict:
+    """``compute()`` in a daemon thread of its own, for the views that run a model: the server answers
+    meanwhile, and stopping it does not wait for a view still being computed (an ablation of a large
+    model takes minutes; Python waits for a thread pool's threads at exit)."""
+    loop = asyncio.get_running_loop()
+    answer = loop.create_future()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        public = path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
-        if scope["type"] == "lifespan" or public or self._has_key(Headers(scope=scope)):
-            await self.app(scope, receive, send)
-        elif scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})
-        else:
-            message = "missing or wrong API key (X-API-Key or Authorization: Bearer)"
-            await JSONResponse({"detail": message}, status_code=401)(scope, receive, send)
+    def work() -> None:
+        try:
+            outcome = (answer.set_result, compute())
+        except Exception as error:  # a UserError becomes the 422 the handler writes
+            outcome = (answer.set_exception, error)
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server stopped meanwhile
+            loop.call_soon_threadsafe(*outcome)
 
-    def _has_key(self, headers: Headers) -> bool:
-        given = headers.get("x-api-key")
-        if given is None:
-            scheme, _, credentials = headers.get("authorization", "").partition(" ")
-            given = credentials if scheme.lower() == "bearer" else None
-        return given is not None and secrets.compare_digest(given.encode(), self.api_key)
+    threading.Thread(target=work, daemon=True, name="blocklab-explore-view").start()
+    return await answer
 
 
 def create_app(explorer: Explorer, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="blocklab explore", docs_url=None, redoc_url=None, openapi_url=None)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, public=is_public)
 
     @app.middleware("http")
     async def security_headers(request: Request, call_next):
@@ -104,7 +95,7 @@ def create_app(explorer: Explorer, api_key: str | None = None) -> FastAPI:
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
-    # Plain functions: FastAPI runs them in its thread pool, so a view being computed blocks no other.
+    # Plain functions (the quick views): FastAPI runs them in its thread pool.
     @app.get("/api/info")
     def info() -> dict:
         return explorer.info()
@@ -118,21 +109,21 @@ def create_app(explorer: Explorer, api_key: str | None = None) -> FastAPI:
         return explorer.params_view()
 
     @app.get("/api/bus")
-    def bus() -> dict:
-        return explorer.bus_view()
+    async def bus() -> dict:
+        return await off_the_loop(explorer.bus_view)
 
     @app.get("/api/ablate")
-    def ablate() -> dict:
-        return explorer.ablate_view()
+    async def ablate() -> dict:
+        return await off_the_loop(explorer.ablate_view)
 
     @app.get("/api/depth")
-    def depth(
+    async def depth(
         stacks: Annotated[list[str], Query(min_length=1, max_length=8)] = DEPTH_DEFAULTS["stacks"],
         baseline: str = DEPTH_DEFAULTS["baseline"],
         new: Annotated[int, Query(ge=2, le=512)] = DEPTH_DEFAULTS["new"],
         repeats: Annotated[int, Query(ge=1, le=20)] = DEPTH_DEFAULTS["repeats"],
     ) -> dict:
-        return explorer.depth_view(stacks, baseline, new, repeats)
+        return await off_the_loop(lambda: explorer.depth_view(stacks, baseline, new, repeats))
 
     return app
 
@@ -158,13 +149,6 @@ class ExploreConfig:
     api_key: str | None = None
     """Require this key (X-API-Key or Authorization: Bearer) for the page's data (default:
     $LIT_SERVER_API_KEY); the page asks for it."""
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name
-        return host == "localhost"
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -196,7 +180,7 @@ def parse(argv: list[str]) -> ExploreConfig:
     parser.add_class_arguments(ExploreConfig, as_group=False)
     config = ExploreConfig(**parser.parse_args([_underscored(word) for word in argv]).as_dict())
     if config.api_key is None:  # read here, not as the flag's default, which --help would print
-        config.api_key = os.environ.get("LIT_SERVER_API_KEY")
+        config.api_key = os.environ.get(ENV_VAR)
     return config
 
 
@@ -205,8 +189,7 @@ def main(argv: list[str]) -> int:
     from lab.weights import load_model  # after parsing: --help stays quick
 
     logging.basicConfig(level="INFO", format="%(name)s %(levelname)s %(message)s")
-    if not _is_loopback(config.host) and not config.api_key:
-        logger.warning("binding %s without --api-key: anyone who can reach it can use it", config.host)
+    warn_if_open(config.host, config.api_key, logger)
     spec = config.model or default_model_spec()
     print(f"blocklab explore: loading {spec} ...", file=sys.stderr, flush=True)
     explorer = Explorer(load_model(spec), spec, config.text)
@@ -215,6 +198,7 @@ def main(argv: list[str]) -> int:
     print(f"blocklab explore: http://{host}:{sock.getsockname()[1]}/  (Ctrl-C to stop)", flush=True)
     if config.api_key:
         print("blocklab explore: the page asks for the API key (or add #key=KEY to the address)", flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(explorer, config.api_key), log_level="warning"))
+    app = create_app(explorer, config.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     server.run(sockets=[sock])  # until Ctrl-C or SIGTERM
     return 0

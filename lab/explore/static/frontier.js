@@ -6,7 +6,7 @@ import { api, chart, commandLine, fill, fmt, h, legend, message, s, table } from
 function depthChart(report) {
   const rows = report.rows;
   const top = Math.max(...rows.map((r) => r.blocks_ms + r.unembed_ms)) * 1.15;
-  const c = chart({ x: { type: "band", domain: rows.map((r) => r.stack), label: "L x d (same block parameters)" },
+  const c = chart({ x: { type: "band", domain: rows.map((r) => r.stack), label: "stack (L x d)" },
     y: { type: "linear", domain: [0, top], label: "ms per decoded token (median)" },
     title: `batch-1 decode, ratios to ${report.baseline}` });
   const w = c.x.bandwidth * 0.6;
@@ -98,7 +98,7 @@ function drawFrontier(name, points, onFrontier, xLabel, extra) {
   fill(document.getElementById("frontier-body"), 
     h("p", {}, `from ${name}`), extra,
     h("figure", {}, frontierChart(points, onFrontier, xLabel),
-      legend([["attention", "on the frontier: nothing faster has a lower loss"], ["norm", "beaten"]])),
+      legend([["attention", "on the frontier: no faster set has a lower loss"], ["norm", "beaten"]])),
     hasIntervals ? h("p", { class: "note" }, "bars: the intervals the file gives (low, high)") : h("p", { class: "note" }, "no intervals in this file"),
     table(["block set", xLabel, "interval", "loss", "interval", "on the frontier"], rows, { id: "frontier-table" }));
 }
