@@ -3,10 +3,12 @@ Selenium) clicks, drags and toggles, and every number read off the page is check
 the command the page names, run here as the CLI.
 
     python -m pytest tests/test_explore_browser.py            # a tiny random model, made here
-    BLOCKLAB_EXPLORE_MODEL=builtin python -m pytest tests/test_explore_browser.py
+    BLOCKLAB_EXPLORE_MODEL=builtin python -m pytest tests/test_explore_browser.py   # docs/img's pictures
 
-Screenshots of each view go to docs/img/explore_*.png. Without Chromium or Selenium the tests skip and
-say which is missing (.ci/run installs both where it can).
+Each view is photographed: on a model named by BLOCKLAB_EXPLORE_MODEL into docs/img/explore_*.png (the
+README's and docs' pictures), on the tiny model into the test's temporary folder, so that a plain test
+run leaves the pictures in the repository alone. Without Chromium or Selenium the tests skip and say
+which is missing (.ci/run installs both where it can).
 """
 
 import contextlib
@@ -31,7 +33,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 CHROMIUM = os.environ.get("BLOCKLAB_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("BLOCKLAB_CHROMEDRIVER", "/usr/bin/chromedriver")
-SHOTS = Path(__file__).resolve().parents[1] / "docs" / "img"
+DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 KEY = "k3y-for-the-test"
 
 
@@ -126,7 +128,8 @@ def page(webdriver, model_and_text, cli):
         find(webdriver, "#api-key").send_keys(KEY)
         find(webdriver, "#key-form button").click()
         wait_for(webdriver, lambda d: find(d, "body").get_attribute("data-ready") == "true")
-        yield {"driver": webdriver, "url": url, "cwd": root}
+        pictures = DOCS_IMG if os.environ.get("BLOCKLAB_EXPLORE_MODEL") else root / "img"
+        yield {"driver": webdriver, "url": url, "cwd": root, "pictures": pictures}
 
 
 def wait_for(driver, condition, timeout: float = 300):
@@ -148,12 +151,13 @@ def open_view(driver, name: str, ready_css: str):
     wait_for(driver, lambda d: d.find_elements("css selector", ready_css))
 
 
-def screenshot(driver, name: str) -> None:
-    """The whole page, as tall as it is, to docs/img/explore_NAME.png."""
+def screenshot(page, name: str) -> None:
+    """The whole page, as tall as it is, to ``page["pictures"]``/explore_NAME.png."""
+    driver = page["driver"]
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.set_window_size(1280, max(800, height + 20))
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    driver.save_screenshot(str(SHOTS / f"explore_{name}.png"))
+    page["pictures"].mkdir(parents=True, exist_ok=True)
+    assert driver.save_screenshot(str(page["pictures"] / f"explore_{name}.png"))
     driver.set_window_size(1280, 1000)
 
 
@@ -185,7 +189,7 @@ def test_block_view_click_a_tensor_and_drag_T(page, cli):
         k: find(d, f'#flops-panel [data-key="{k}"]').text
         for k in ("linear", "attention", "total", "attention_share", "crossover_T_blocks")
     }
-    screenshot(d, "block")
+    screenshot(page, "block")
     shapes_at_T1, flops_at_T1 = page_commands(d, "block")
     assert f"--T {T1}" in shapes_at_T1 and f"--T {T1}" in flops_at_T1
 
@@ -223,7 +227,7 @@ def test_parameters_view(page, cli):
         k: find(d, f'#design-detail [data-key="{k}"]').text
         for k in ("total", "attention_share_of_block", "token_table_share")
     }
-    screenshot(d, "params")
+    screenshot(page, "params")
     cli_model, cli_all = cli.run(*page_commands(d, "params"))
     assert yours == {
         "total": fmt(cli_model["total"]),
@@ -244,7 +248,7 @@ def test_bus_and_ablation_views_toggle_overwrite_and_pick_a_block(page, cli):
     open_view(d, "bus", "#bus-table")
     embed = find(d, '#bus-body [data-key="embed"]').text
     table = [row.split() for row in texts(d, "#bus-table tbody tr")]
-    screenshot(d, "bus")
+    screenshot(page, "bus")
     bus_command = page_commands(d, "bus")[0]
 
     open_view(d, "ablate", "#block-norms dl")
@@ -260,7 +264,7 @@ def test_bus_and_ablation_views_toggle_overwrite_and_pick_a_block(page, cli):
         for k in ("embed", "attn_out", "mlp_out", "resid_post")
     }
     lines = {k: find(d, f'#ablate-body [data-key="{k}"]').text for k in ("intact", "uniform")}
-    screenshot(d, "ablate")
+    screenshot(page, "ablate")
 
     cli_bus, cli_ablate = cli.run(without_plots(bus_command), without_plots(page_commands(d, "ablate")[0]))
     assert embed == fmt(cli_bus["embed"])
@@ -330,7 +334,7 @@ def test_depth_measured_and_loaded_and_a_traffic_frontier_with_intervals(page, c
     assert shown[0][1:] == ["576.7", "[540.3,", "600.1]", "6.376", "[6.3,", "6.45]", "yes"]
     assert [row[-1] for row in shown] == ["yes", "yes", "yes", "no"]  # skip=3,4,5: slower and worse than all
     assert len(d.find_elements("css selector", "#frontier-body .error-bar")) == 2 * 3  # x and y, for 3 sets
-    screenshot(d, "frontier")
+    screenshot(page, "frontier")
 
     # a plan.json: its points and the frontier blocklab plan chose (lab.plan.frontier), no intervals
     points = [

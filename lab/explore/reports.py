@@ -7,7 +7,8 @@ line, so the page can say which command prints it and a test can run it and comp
 
 The Block view runs ``shapes.describe`` on the meta device: the tensors have shapes and no data, so a
 T of a million costs what a T of one does, and a slider can ask for any T (the numbers equal a CPU
-run's; the first meta operation imports torch's meta kernels, which ``Explorer.__init__`` does once).
+run's). The first operation on the meta device takes seconds (torch imports its compiler stack for
+it): ``Explorer.__init__`` does it, with the first view.
 The model-wide views (bus, ablation) run the model once each, on first request, and are kept;
 depth builds and times its own stacks, on request.
 """
@@ -59,7 +60,7 @@ class Explorer:
         with torch.device("meta"):
             self.block = Block(cfg).eval()
         if text is not None:
-            text.read_bytes()  # a missing or unreadable file fails now, not in a view
+            text.open("rb").close()  # a missing or unreadable file fails now, not in a view
         self._cache: dict[Any, dict] = {}
         self._model_lock = threading.Lock()  # lab.hooks.capture hooks the model: one pass at a time
         self._depth_lock = threading.Lock()  # timings measured side by side would disturb each other
@@ -70,7 +71,7 @@ class Explorer:
         (a ``UserError`` for a model without GPT-2's vocabulary)."""
         return common.text_tokens(argparse.Namespace(text=self.text, tokens=n), self.model)
 
-    def _text_args(self) -> list[str]:
+    def _model_and_text_args(self) -> list[str]:
         return ["--model", self.spec] + (["--text", str(self.text)] if self.text is not None else [])
 
     def _once(self, key: Any, lock: threading.Lock, compute: Callable[[], dict]) -> dict:
@@ -137,7 +138,7 @@ class Explorer:
         def compute() -> dict:
             ids, text = self._tokens(BUS_TOKENS)
             report = {"model": self.spec, "text": text, **bus.stream_report(self.model, ids)}
-            return {"report": report, "command": command("bus", *self._text_args(), "--json")}
+            return {"report": report, "command": command("bus", *self._model_and_text_args(), "--json")}
 
         return self._once("bus", self._model_lock, compute)
 
@@ -146,7 +147,7 @@ class Explorer:
             ids, text = self._tokens(ABLATE_TOKENS)
             losses = ablate.ablation_report(self.model, ids, ABLATE_MODES)
             report = {"model": self.spec, "text": text, **losses}
-            return {"report": report, "command": command("ablate", *self._text_args(), "--json")}
+            return {"report": report, "command": command("ablate", *self._model_and_text_args(), "--json")}
 
         return self._once("ablate", self._model_lock, compute)
 

@@ -115,7 +115,7 @@ function flopsPanel(data) {
 
 function draw(data) {
   const report = data.shapes;
-  fill(document.getElementById("block-diagram"), 
+  fill(document.getElementById("block-diagram"),
     ...diagram(report).flat().filter(Boolean),
     legend([["mixes", "mixes positions (attention)"], ["plain", "each position alone"]]),
     h("p", { class: "note" }, "Box widths follow each tensor's last dimension, up to 4D."),
@@ -150,19 +150,22 @@ export async function showBlock(info) {
     }
   }
   const nearest = (T) => values.reduce((best, v, i) => (Math.abs(v - T) < Math.abs(values[best] - T) ? i : best), 0);
+  const show = (T) => {
+    input.value = String(T);
+    slider.setAttribute("aria-valuetext", `T = ${T}`); // a screen reader says T, not the slider's index
+  };
   slider.addEventListener("input", () => {
-    input.value = String(values[+slider.value]);
-    slider.setAttribute("aria-valuetext", `T = ${input.value}`);
+    show(values[+slider.value]);
     setT(values[+slider.value]);
   });
   input.addEventListener("change", () => {
     const T = Math.max(1, Math.min(info.T_max, Math.round(+input.value) || 1));
-    input.value = String(T);
+    show(T);
     slider.value = String(nearest(T));
     setT(T);
   });
   const T = info.config.block_size;
   slider.value = String(values.indexOf(T));
-  input.value = String(T);
+  show(T);
   await setT(T);
 }

@@ -95,7 +95,7 @@ function drawFrontier(name, points, onFrontier, xLabel, extra) {
   const ci = (v) => (v ? `[${fmt(v[0])}, ${fmt(v[1])}]` : "-");
   const rows = [...points].sort((a, b) => a.x - b.x).map((p) => [p.label, fmt(p.x), ci(p.xci), fmt(p.y), ci(p.yci), onFrontier.has(p.label) ? "yes" : "no"]);
   const hasIntervals = points.some((p) => p.xci || p.yci);
-  fill(document.getElementById("frontier-body"), 
+  fill(document.getElementById("frontier-body"),
     h("p", {}, `from ${name}`), extra,
     h("figure", {}, frontierChart(points, onFrontier, xLabel),
       legend([["attention", "on the frontier: no faster set has a lower loss"], ["norm", "beaten"]])),

@@ -22,11 +22,12 @@ function stacked(rows, label) {
   return bar;
 }
 
-function designRow(report, isSelected, onSelect) {
+function designRow(report, isSelected, isYours, onSelect) {
   const blockRows = report.block.filter((r) => r.component !== "block");
   return h("div", { class: "design" },
     h("button", { type: "button", class: "design-name", "aria-pressed": String(isSelected), "data-design": report.design, onclick: onSelect },
-      report.design, h("span", { class: "total" }, `${fmt(report.total)} parameters`)),
+      h("span", {}, report.design, isYours ? h("span", { class: "yours" }, " (the model explored)") : null),
+      h("span", { class: "total" }, `${fmt(report.total)} parameters`)),
     h("div", { class: "bars" },
       h("span", { class: "bar-label" }, "a block"), stacked(blockRows, `${report.design}: a block's parameters`),
       h("span", { class: "bar-label" }, "the model"), stacked(report.model, `${report.design}: the model's parameters`)));
@@ -55,18 +56,18 @@ export async function showParams() {
   const body = document.getElementById("params-body");
   const data = await api("/api/params");
   const reports = [data.model, ...data.designs];
-  let selected = data.model.design;
+  let selected = 0; // by place: the model explored may share a preset's name (--model gpt2)
   const detail = h("div", { id: "design-detail", "aria-live": "polite" });
   const list = h("div", { class: "designs" });
   function draw() {
-    fill(list, ...reports.map((r) => designRow(r, r.design === selected, () => {
-      selected = r.design;
+    fill(list, ...reports.map((r, i) => designRow(r, i === selected, i === 0, () => {
+      selected = i;
       draw();
     })));
-    fill(detail, ...designTable(reports.find((r) => r.design === selected)));
+    fill(detail, ...designTable(reports[selected]));
   }
   draw();
-  fill(body, 
+  fill(body,
     legend([["attention", "attention"], ["ff", "feed-forward"], ["norm", "norms"], ["blocks", "the blocks"],
       ["token", "token table"], ["position", "position table"], ["head", "untied output head"]]),
     list, detail, commandLine(data.commands.model, data.commands.designs));

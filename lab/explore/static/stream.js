@@ -49,7 +49,7 @@ export async function showBus() {
   const report = data.report;
   const columns = ["block", "‖resid_pre‖", "‖attn_out‖/‖resid_pre‖", "‖mlp_out‖/‖resid_mid‖", "‖resid_post‖", "cos(pre, post)", "bookkeeping"];
   const keys = ["block", "resid_pre", "attn_share", "mlp_share", "resid_post", "cosine_in_out", "bookkeeping"];
-  fill(body, 
+  fill(body,
     h("p", {}, `text: ${report.text}; medians over positions; the embedding's norm ‖embed‖ = `,
       h("strong", { "data-key": "embed" }, fmt(report.embed))),
     h("div", { class: "charts" }, h("figure", {}, ...normsChart(report)), h("figure", {}, ...sharesChart(report))),
@@ -122,7 +122,7 @@ export async function showAblate() {
   }
   for (const radio of document.querySelectorAll("input[name=ablate-mode]")) radio.addEventListener("change", draw);
   draw();
-  fill(body, 
+  fill(body,
     h("p", {}, `text: ${report.text}; intact loss `, h("strong", { "data-key": "intact" }, fmt(report.intact)),
       " nats; uniform guess ln(V) = ", h("strong", { "data-key": "uniform" }, fmt(report.uniform)),
       `; relative change = (loss - intact) / intact`),
