@@ -135,6 +135,17 @@ def test_block_view_is_shapes_and_flops_at_any_T(client):
         assert client.get(f"/api/block?T={T}").status_code == 422
 
 
+def test_block_views_asked_at_once_each_get_their_own_T(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    Ts = [3, 5, 7, 11, 13, 17, 19, 23] * 2
+    with ThreadPoolExecutor(max_workers=8) as pool:  # as two tabs, or a slider and a typed T, would
+        answers = list(pool.map(lambda T: client.get(f"/api/block?T={T}").json(), Ts))
+    for T, data in zip(Ts, answers, strict=True):
+        assert {r["hook"]: r["shape"][2] for r in data["shapes"]["rows"]}["attn.scores"] == T
+        assert all(r["shape"][-2 if r["hook"] == "attn.scores" else 1] == T for r in data["shapes"]["rows"])
+
+
 def test_params_bus_and_ablate_views_are_their_reports(client, explorer):
     model = explorer.model
     data = client.get("/api/params").json()

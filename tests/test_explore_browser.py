@@ -282,7 +282,7 @@ def test_bus_and_ablation_views_toggle_overwrite_and_pick_a_block(page, cli):
     assert lines == {"intact": fmt(cli_ablate["intact"]), "uniform": fmt(cli_ablate["uniform"])}
 
 
-def test_depth_measured_and_loaded_and_a_traffic_frontier_with_intervals(page, cli, tmp_path):
+def test_depth_measured_here_and_loaded_from_its_json(page, cli, tmp_path):
     d = page["driver"]
     open_view(d, "frontier", "#depth-form")
     for field, value in (("stacks", "1x32 2x16"), ("baseline", "1x32"), ("new", "3"), ("repeats", "1")):
@@ -307,6 +307,10 @@ def test_depth_measured_and_loaded_and_a_traffic_frontier_with_intervals(page, c
         (r["stack"], fmt(r["ms_per_token"])) for r in cli_depth["rows"]
     ]
 
+
+def test_the_frontier_of_a_traffic_json_with_intervals_and_of_a_plan_json(page, tmp_path):
+    d = page["driver"]
+    open_view(d, "frontier", "#json-file")
     # a traffic.json as blocklab traffic writes it, with the interval fields a run with repeats adds
     sets = [
         ("all", 676.1, [650.2, 701.9], 6.2773, [6.2, 6.35]),

@@ -62,13 +62,17 @@ async def off_the_loop(compute: Callable[[], dict]) -> dict:
     loop = asyncio.get_running_loop()
     answer = loop.create_future()
 
+    def settle(set_outcome: Callable, outcome) -> None:
+        if not answer.done():  # else the request was given up meanwhile (its client left)
+            set_outcome(outcome)
+
     def work() -> None:
         try:
             outcome = (answer.set_result, compute())
         except Exception as error:  # a UserError becomes the 422 the handler writes
             outcome = (answer.set_exception, error)
         with contextlib.suppress(RuntimeError):  # the loop closed: the server stopped meanwhile
-            loop.call_soon_threadsafe(*outcome)
+            loop.call_soon_threadsafe(settle, *outcome)
 
     threading.Thread(target=work, daemon=True, name="blocklab-explore-view").start()
     return await answer

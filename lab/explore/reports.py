@@ -62,7 +62,8 @@ class Explorer:
         if text is not None:
             text.open("rb").close()  # a missing or unreadable file fails now, not in a view
         self._cache: dict[Any, dict] = {}
-        self._model_lock = threading.Lock()  # lab.hooks.capture hooks the model: one pass at a time
+        # lab.hooks.capture hooks the module it reads: one pass at a time through the model, the Block
+        self._model_lock, self._block_lock = threading.Lock(), threading.Lock()
         self._depth_lock = threading.Lock()  # timings measured side by side would disturb each other
         self.block_view(cfg.block_size)  # the first view, and torch's meta kernels imported
 
@@ -109,7 +110,7 @@ class Explorer:
         """The Block's six tensors at T (``blocklab shapes``), the model's FLOPs per token at T and
         along ``CURVE_TS`` (``blocklab flops --no-count``: formula only)."""
 
-        with torch.device("meta"):  # no cache: on the meta device any T costs milliseconds
+        with self._block_lock, torch.device("meta"):  # no cache: on the meta device a T costs milliseconds
             report = shapes.describe(self.block, 1, T)
         return {
             "shapes": report,
