@@ -43,6 +43,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "depth": ("lab.analysis.depth", "batch-1 latency of equal-parameter stacks of different depth"),
     "cost": ("lab.analysis.cost", "training cost (6ND) in FLOPs, hours and MFU"),
     "plan": ("lab.plan", "which blocks to drop: every method's choice measured on your text, with latency"),
+    "explore": ("lab.explore.app", "the Block, parameters, bus, ablation and frontier as one local page"),
 }
 
 

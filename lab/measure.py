@@ -17,13 +17,13 @@ significantly, which is why the difference is bootstrapped, not the two interval
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 from urllib.parse import urlparse
 
 import numpy as np
 
+from lab.api_key import is_loopback
 from lab.errors import UserError
 
 RESAMPLES = 4000
@@ -128,16 +128,6 @@ def frontier(
 
 # ---------------------------------------------------------------------------------------------------
 # Where a load generator may point
-
-
-def is_loopback(host: str) -> bool:
-    """``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_loopback(url: str, *, allow_remote: bool = False, allowed_by: str | None = None) -> None:

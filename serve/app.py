@@ -18,7 +18,6 @@ behind.
 """
 
 import functools
-import ipaddress
 import logging
 import os
 import signal
@@ -33,6 +32,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lab import api_key as key_rule
 from lab import flags
 from lab.blocks import BlockSet
 from lab.errors import UserError
@@ -248,13 +248,6 @@ def serve(config: ServeConfig, model_factory: ModelFactory | None = None) -> Non
         server.pool.stop()
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name
-        return host == "localhost"
-
-
 def options(argv: list[str]) -> ServeConfig:
     """``blocklab serve``'s flags (``ServeConfig``'s fields) as a config, checked."""
     description = "Serve a model over HTTP; each request picks its block set. See docs/serving.md."
@@ -266,12 +259,11 @@ def options(argv: list[str]) -> ServeConfig:
 def main(argv: list[str], model_factory: ModelFactory | None = None) -> int:
     config = options(argv[1:])
     if config.api_key is None:
-        config = replace(config, api_key=os.environ.get("LIT_SERVER_API_KEY"))
+        config = replace(config, api_key=os.environ.get(key_rule.ENV_VAR))
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    if not _is_loopback(config.host) and config.api_key is None:
-        logger.warning("binding %s without --api-key: anyone who can reach it can use it", config.host)
+    key_rule.warn_if_open(config.host, config.api_key, logger)
     if model_factory is None:  # a missing model fails here in one line, not in every worker
         locate(config.model)
     try:

@@ -27,7 +27,6 @@ import asyncio
 import json
 import math
 import os
-import secrets
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -35,10 +34,10 @@ from pathlib import Path
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from lab import api_key as key_rule
 from serve.pool import Channel, PoolFull, WorkerPool
 from serve.schema import ModelLimits, PredictRequest, PredictResponse, RequestError, error_event, resolve
 
@@ -82,34 +81,12 @@ def error_response(path: str, status: int, detail, headers: dict[str, str] | Non
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-class ApiKeyMiddleware:
-    """Refuses (401) every request without the API key, except to ``PUBLIC_PATHS``; the key comes as
-    ``X-API-Key: KEY`` or ``Authorization: Bearer KEY`` (what the OpenAI clients send).
-
-    A middleware rather than a per-route dependency: it denies by default, so a route added later
-    cannot slip past, and it runs before the body is read or validated.
-    """
+class ApiKeyMiddleware(key_rule.ApiKeyMiddleware):
+    """``lab.api_key``'s rule (401 before routing, deny by default) with ``PUBLIC_PATHS`` open and the
+    401 in the shape of the route (OpenAI's under ``/v1/``)."""
 
     def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.api_key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        open_to_all = scope["type"] == "lifespan" or scope["path"] in PUBLIC_PATHS
-        if open_to_all or self._has_key(Headers(scope=scope)):
-            await self.app(scope, receive, send)
-        elif scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})
-        else:
-            message = "missing or wrong API key (X-API-Key or Authorization: Bearer)"
-            await error_response(scope["path"], 401, message)(scope, receive, send)
-
-    def _has_key(self, headers: Headers) -> bool:
-        given = headers.get("x-api-key")
-        if given is None:
-            scheme, _, credentials = headers.get("authorization", "").partition(" ")
-            given = credentials if scheme.lower() == "bearer" else None
-        return given is not None and secrets.compare_digest(given.encode(), self.api_key)
+        super().__init__(app, api_key, public=PUBLIC_PATHS.__contains__, refusal=error_response)
 
 
 class BodyLimitMiddleware:
