@@ -14,6 +14,7 @@ from lab.blocks import BlockSet
 from lab.config import GPTConfig
 from lab.errors import UserError
 from lab.lens import fit, home, report
+from lab.lens.data import fingerprint
 from lab.lens.translator import FILE, ReadOut, TunedLens, load_tuned_lens, save_tuned_lens
 from lab.model import GPT, rows_alone
 from lab.weights import save_model
@@ -153,10 +154,10 @@ def test_save_and_load_round_trip_with_the_fingerprint(tmp_path, model, fitted):
     assert loaded.blocks == fitted.blocks == (0, 1, 2) and loaded.rank is None
     assert loaded.metadata == fitted.metadata
     data = windows(12)
-    assert loaded.metadata["calibration_sha256"] == fit.fingerprint(data[:10] + data[10:])
+    assert loaded.metadata["calibration_sha256"] == fingerprint(data[:10] + data[10:])
     assert loaded.metadata["steps"] == QUICK.steps
     assert loaded.metadata["held_out_kl_tuned"][:3] == fitted.metadata["held_out_kl_tuned"][:3]
-    assert fit.fingerprint(data[:10]) != fit.fingerprint(data[1:11])
+    assert fingerprint(data[:10]) != fingerprint(data[1:11])
 
 
 def test_a_lens_for_another_model_is_refused(tmp_path, fitted):
@@ -208,7 +209,9 @@ def test_a_resumed_fit_ends_where_an_uninterrupted_one_does(tmp_path, model, mon
 
 def direct_rows(model: GPT, lens: TunedLens, data: list[list[int]]) -> list[dict]:
     """The report's numbers computed the plain way: the full vocabulary's logits from ``GPT.forward``
-    (the logit lens is ``exit=E``) and from ``unembed(lens(block, stream))``."""
+    (the logit lens is ``exit=E``) and from ``unembed(lens(block, stream))``, in float64."""
+    model, lens = copy.deepcopy(model).double(), lens.to(dtype=torch.float64)  # the reference in fp64
+    model.compact_read_out()
     idx = torch.tensor(data)  # [W, T]
     targets = idx[:, 1:]  # [W, T-1]
     taps = block_streams(model, idx)
@@ -286,7 +289,16 @@ def test_the_cli_fits_and_reports_on_a_tiny_saved_model(tmp_path, capsys):
     assert lens.metadata["steps"] == 3 and lens.metadata["model"] == str(tmp_path / "model")
     assert not (tmp_path / "model" / fit.CHECKPOINT).exists()
     png = tmp_path / "lens.png"
-    report_argv = ["lens", "report", "--model", str(tmp_path / "model"), "--text", str(text), "--tokens", "200"]
+    report_argv = [
+        "lens",
+        "report",
+        "--model",
+        str(tmp_path / "model"),
+        "--text",
+        str(text),
+        "--tokens",
+        "200",
+    ]
     assert cli.main([*report_argv, "--json", "--out", str(png)]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [row["exit"] for row in result["rows"]] == [1, 2, 3] and result["positions"] == 200 - 7
@@ -317,7 +329,7 @@ def test_parity_with_the_tuned_lens_package(tmp_path):
     ours = load_model(str(tmp_path))
     data = windows(12)
     recipe = fit.Recipe(steps=8, windows_per_step=2, **{k: getattr(fit.BELROSE, k) for k in
-                        ("init", "optimizer", "weight_decay", "clip")})  # fmt: skip
+                        ("init", "whiten", "optimizer", "weight_decay", "clip")})  # fmt: skip
     lens = fit.fit_tuned_lens(ours, data[:10], data[10:], recipe, progress=False)
 
     theirs = tuned_lens.TunedLens.from_model(hf)

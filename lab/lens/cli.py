@@ -5,6 +5,7 @@
     blocklab lens fit --model builtin --resume          # continue an interrupted fit from its checkpoint
     blocklab lens report --model builtin                # held-out standard-library text; a table and a PNG
     blocklab lens report --model DIR --text other.txt --json
+    blocklab lens cost --model gpt2-random              # a translator against a block at GPT-2's shapes
 
 ``fit`` saves ``tuned_lens.safetensors`` beside the model's weights (``lab.lens.home.lens_home``: for
 the shipped builtin models the user's cache dir, never the package), with a checkpoint there every
@@ -21,12 +22,16 @@ from typing import Literal
 
 from lab import tokens
 from lab.analysis import common
-from lab.lens import fit, report
+from lab.lens import cost, data, fit, report
 from lab.lens.home import find_tuned_lens, lens_home
 from lab.lens.translator import FILE, save_tuned_lens
 from lab.options import parse
 
-SUBCOMMANDS = {"fit": "fit a tuned lens (the model frozen)", "report": "per block: exit loss, KL, top-1"}
+SUBCOMMANDS = {
+    "fit": "fit a tuned lens (the model frozen)",
+    "report": "per block: exit loss, KL and top-1 agreement through the logit lens and the tuned lens",
+    "cost": "a translator's weights and batch-1 time against one block's",
+}
 
 
 @dataclass
@@ -47,7 +52,7 @@ class FitOptions:
     """Save the lens in this directory (default: beside the model; the cache dir for builtin models)."""
     resume: bool = False
     """Continue from the checkpoint an interrupted fit left in the output directory."""
-    windows: int = fit.CALIBRATION_WINDOWS
+    windows: int = data.CALIBRATION_WINDOWS
     """At most this many windows of text; every 8th is held out to measure the fit."""
     windows_per_step: int = fit.Recipe.windows_per_step
     """Windows whose positions make one step's batch."""
@@ -83,13 +88,23 @@ class ReportOptions:
     """Do not write the PNG."""
 
 
+@dataclass
+class CostOptions:
+    model: str | None = None
+    """Whose shapes to time (weights do not matter: gpt2-random is GPT-2 small's shapes)."""
+    repeats: int = 200
+    """Timed calls of each."""
+    json: bool = False
+    """Print one JSON object instead of the table."""
+
+
 def run_fit(options: FitOptions) -> int:
     from lab.weights import load_model
 
     spec = options.model or common.default_model_spec()
     model = load_model(spec)
-    windows, source = fit.calibration_windows(model, options.prompts, options.windows)
-    calibration, held_out = fit.split_held_out(windows)
+    windows, source = data.calibration_windows(model, options.prompts, options.windows)
+    calibration, held_out = data.split_held_out(windows)
     directory = options.out or lens_home(spec)
     recipe = fit_recipe(options)
     print(f"calibration: {source}; {len(calibration)} to fit on, {len(held_out)} held out", file=sys.stderr)
@@ -136,7 +151,7 @@ def run_report(options: ReportOptions) -> int:
     model = load_model(spec)
     lens, directory = find_tuned_lens(spec, model, options.lens)
     ids, source = report_tokens(options.text, options.tokens)
-    windows = fit.text_windows(ids, model.config.block_size)
+    windows = data.text_windows(ids, model.config.block_size)
     result = {
         "model": spec,
         "lens": str(directory / FILE),
@@ -146,6 +161,15 @@ def run_report(options: ReportOptions) -> int:
     result["lens_metadata"] = lens.metadata
     result["png"] = report.plot(result, options)
     common.emit(options, result, report.render(result))
+    return 0
+
+
+def run_cost(options: CostOptions) -> int:
+    from lab.weights import load_model
+
+    spec = options.model or common.default_model_spec()
+    result = {"model": spec, **cost.translator_cost(load_model(spec), options.repeats)}
+    common.emit(options, result, cost.render(result))
     return 0
 
 
@@ -163,14 +187,15 @@ def report_tokens(text: Path | None, count: int) -> tuple[list[int], str]:
 
 
 def main(argv: list[str]) -> int:
-    summary = __doc__.split("\n\n")[0]
+    summary = __doc__.split("\n\n")[0].removeprefix("``blocklab lens``: ")
     if len(argv) < 2 or argv[1] not in SUBCOMMANDS:
         lines = [f"usage: blocklab lens {{{','.join(SUBCOMMANDS)}}} [--help]", "", summary, ""]
         lines += [f"  {name:8s}{help_}" for name, help_ in SUBCOMMANDS.items()]
         wanted = argv[1:2] in (["-h"], ["--help"])
         print("\n".join(lines), file=sys.stdout if wanted else sys.stderr)
         return 0 if wanted else 2
-    prog, rest = f"blocklab lens {argv[1]}", argv[2:]
-    if argv[1] == "fit":
-        return run_fit(parse(FitOptions, rest, prog=prog, description=SUBCOMMANDS["fit"]))
-    return run_report(parse(ReportOptions, rest, prog=prog, description=SUBCOMMANDS["report"]))
+    name, rest = argv[1], argv[2:]
+    options_class, run = {
+        "fit": (FitOptions, run_fit), "report": (ReportOptions, run_report), "cost": (CostOptions, run_cost)
+    }[name]  # fmt: skip
+    return run(parse(options_class, rest, prog=f"blocklab lens {name}", description=SUBCOMMANDS[name]))

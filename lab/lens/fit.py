@@ -10,20 +10,24 @@ fits sharing one pass of the frozen model and one final distribution per batch, 
 time would otherwise go twice. (Gradient clipping by the global norm, ``Recipe.clip``, which
 tuned-lens uses, is the one thing that couples them.)
 
-Two recipes:
-- ``init="regression"`` with Adam (the default, for minutes on a CPU): every translator starts at the
-  least-squares map from its block's stream to the final stream normalised as ``ln_f`` normalises it
-  (closed form, one pass over the calibration text), then Adam on the KL from there.
-- ``init="identity"`` with ``optimizer="sgd"``: Belrose et al.'s recipe as the ``tuned-lens`` package
-  0.2.0 trains it (``tuned_lens/scripts/train_loop.py`` and ``ingredients.py``): identity at start, SGD
-  with Nesterov momentum 0.9 at lr 1.0 x (1 - 0.9), weight decay 1e-3, the lr decayed linearly to zero,
-  the gradient clipped to norm 1.
+The default recipe starts each translator at the least-squares map from its block's stream to the
+final stream normalised as ``ln_f`` normalises it (closed form, from one pass over the calibration
+text), then runs Adam on the KL in whitened coordinates: the optimiser moves ``M~`` in
+``translate(h) = h + [h, 1] R M~``, ``R`` the inverse Cholesky factor of the stream's second moment
+``E[[h, 1]^T [h, 1]]`` at that block, so every direction of every block's stream has unit scale and one
+learning rate fits them all (the raw streams' scales differ by orders of magnitude between features
+and blocks, and Adam's step is the same size in each). The saved lens is mapped back to
+``h + h A + b``: the whitening costs nothing at exit.
+
+``BELROSE`` is Belrose et al.'s recipe as the ``tuned-lens`` package 0.2.0 trains it
+(``tuned_lens/scripts/train_loop.py`` and ``ingredients.py``): identity at start, no whitening, SGD
+with Nesterov momentum 0.9 at lr 1.0 x (1 - 0.9), weight decay 1e-3, the lr decayed linearly to zero,
+the gradient clipped to norm 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,9 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from lab import corpora, tokens
 from lab.errors import UserError
-from lab.exit_probe import probe_windows
+from lab.lens.data import batch_streams, fingerprint, streams
 from lab.lens.translator import ReadOut, TunedLens, model_fingerprint
 from lab.model import GPT
 
@@ -51,13 +54,15 @@ class Recipe:
 
     steps: int = 60
     """Optimiser steps."""
-    windows_per_step: int = 4
+    windows_per_step: int = 2
     """Calibration windows (of the model's context) whose positions make one step's batch."""
     rank: int | None = None
     """Translators of rank r (identity + U V^T); None: full D x D."""
     init: Literal["regression", "identity"] = "regression"
     """regression: start at the least-squares map to the normalised final stream; identity: the logit
     lens."""
+    whiten: bool = True
+    """Optimise in the whitened coordinates of each block's stream (see the module docstring)."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """adam; or sgd with Nesterov momentum, as tuned-lens trains."""
     lr: float | None = None
@@ -76,77 +81,8 @@ class Recipe:
     """Steps between checkpoints (when fitting with one)."""
 
 
-BELROSE = Recipe(init="identity", optimizer="sgd", weight_decay=1e-3, clip=1.0)
-"""tuned-lens 0.2.0's defaults (its steps and batch are sized for GPUs: 250 x 2^18 tokens)."""
-
-
-CALIBRATION_WINDOWS = 96
-"""Windows of the model's context drawn from the standard library's training files by default."""
-HELD_OUT_EVERY = 8
-"""Every 8th calibration window is held out of the fit, to measure it."""
-
-
-def text_windows(ids: list[int], length: int) -> list[list[int]]:
-    """``ids`` cut into consecutive windows of ``length`` tokens (at least two windows: shorter ones
-    for a short text); the last, shorter window kept if it has two tokens or more."""
-    length = min(length, len(ids) // 2)
-    if length < 2:
-        raise UserError(f"the text has {len(ids)} tokens: a lens needs at least 4 to fit and measure on")
-    windows = [ids[start : start + length] for start in range(0, len(ids), length)]
-    return [window for window in windows if len(window) >= 2]
-
-
-def calibration_windows(
-    model: GPT, prompts: Path | None, count: int = CALIBRATION_WINDOWS
-) -> tuple[list[list[int]], str]:
-    """Windows of the model's context to fit on, and what they are: of the text in ``prompts``, or by
-    default the standard library's training files as ``lab.exit_probe.probe_windows`` draws them (one
-    from the middle of each of ``count`` files spread over it; never the files it holds out)."""
-    if model.config.vocab_size < tokens.VOCAB_SIZE:
-        raise UserError(f"text needs a model with GPT-2's vocabulary; this one has {model.config.vocab_size}")
-    length = model.config.block_size
-    if prompts is not None:
-        ids = tokens.encode(Path(prompts).read_text(encoding="utf-8"), allow_endoftext=True)
-        return text_windows(ids, length)[:count], f"{prompts} ({len(ids):,} tokens)"
-    windows = probe_windows(corpora.stdlib_files(), length, corpora.HELD_OUT_EVERY, count)
-    if len(windows) < 2:
-        raise UserError(f"the standard library has fewer than 2 training files of {2 * length} tokens")
-    return windows, f"{len(windows)} windows of {length} tokens from the standard library's training files"
-
-
-def split_held_out(
-    windows: list[list[int]], every: int = HELD_OUT_EVERY
-) -> tuple[list[list[int]], list[list[int]]]:
-    """(calibration, held out): every ``every``-th window, the first included, is held out."""
-    held_out = windows[::every]
-    calibration = [window for i, window in enumerate(windows) if i % every != 0]
-    if not calibration:
-        raise UserError(f"{len(windows)} window(s): too few to hold every {every}th out and fit on the rest")
-    return calibration, held_out
-
-
-def fingerprint(windows: list[list[int]]) -> str:
-    """sha256 of the windows' tokens (int32, each window's length first): the calibration text."""
-    digest = hashlib.sha256()
-    for window in windows:
-        digest.update(torch.tensor([len(window), *window], dtype=torch.int32).numpy().tobytes())
-    return digest.hexdigest()
-
-
-@torch.no_grad()
-def streams(model: GPT, window: list[int], blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For one window: the streams leaving ``blocks`` [n, T, D] and the final stream [T, D]."""
-    taps: dict[int, torch.Tensor] = {}
-    final = model.residual_stream(torch.tensor([window], device=model.wte.weight.device), taps=taps)
-    return torch.stack([taps[i][0] for i in blocks]), final[0]  # [n, T, D], [T, D]
-
-
-def batch_streams(
-    model: GPT, windows: list[list[int]], blocks: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``streams`` of several windows, their positions concatenated: [n, P, D] and [P, D]."""
-    parts = [streams(model, window, blocks) for window in windows]
-    return torch.cat([s for s, _ in parts], dim=1), torch.cat([f for _, f in parts])
+BELROSE = Recipe(init="identity", whiten=False, optimizer="sgd", weight_decay=1e-3, clip=1.0)
+"""tuned-lens 0.2.0's recipe (its steps and batch are sized for GPUs: 250 x 2^18 tokens)."""
 
 
 def normalised(model: GPT, final: torch.Tensor) -> torch.Tensor:
@@ -160,40 +96,117 @@ def normalised(model: GPT, final: torch.Tensor) -> torch.Tensor:
     return final  # post-LN and DeepNorm: the stream leaving the stack is already normalised
 
 
+def with_ones(stream: torch.Tensor) -> torch.Tensor:
+    """[.., D] -> [.., D + 1]: the stream and a 1, so that an affine map is one matrix."""
+    return torch.cat([stream, stream.new_ones(*stream.shape[:-1], 1)], dim=-1)
+
+
 @torch.no_grad()
-def regression_init(model: GPT, lens: TunedLens, windows: list[list[int]], blocks: list[int]) -> None:
-    """Set ``blocks``' translators to the least-squares affine map from the block's stream to the
-    normalised final stream over ``windows`` (at rank r: its best rank-r correction of the identity),
-    in place. Normal equations in float64, with a ridge of 1e-6 of the mean diagonal for safety."""
+def moments(model: GPT, windows: list[list[int]], blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over every position of ``windows``, per block of ``blocks`` with x = [h, 1] its stream: the
+    second moment E[x^T x] [n, D+1, D+1] and E[x^T z] [n, D+1, D] with z the normalised final stream
+    (float64)."""
     D = model.config.n_embd
     gram = torch.zeros(len(blocks), D + 1, D + 1, dtype=torch.float64)  # [n, D+1, D+1]
     cross = torch.zeros(len(blocks), D + 1, D, dtype=torch.float64)  # [n, D+1, D]
+    positions = 0
     for window in windows:
         leaving, final = streams(model, window, blocks)  # [n, T, D], [T, D]
-        ones = leaving.new_ones(*leaving.shape[:2], 1)  # [n, T, 1]
-        x = torch.cat([leaving, ones], dim=-1).double().cpu()  # [n, T, D+1]
+        x = with_ones(leaving).double().cpu()  # [n, T, D+1]
         gram += x.transpose(1, 2) @ x  # [n, D+1, D+1]
         cross += x.transpose(1, 2) @ normalised(model, final).double().cpu()  # [n, D+1, D]
-    ridge = 1e-6 * gram.diagonal(dim1=1, dim2=2).mean(-1)[:, None, None]  # [n, 1, 1]
-    solved = torch.linalg.solve(gram + ridge * torch.eye(D + 1, dtype=torch.float64), cross)  # [n, D+1, D]
-    delta = (solved[:, :D] - torch.eye(D, dtype=torch.float64)).float()  # [n, D, D]
-    index = torch.tensor(blocks)
-    lens.bias[index] = solved[:, D].float().to(lens.bias.device)
-    if lens.weight is not None:
-        lens.weight[index] = delta.to(lens.weight.device)
-        return
-    u, s, vh = torch.linalg.svd(delta)  # [n, D, D], [n, D], [n, D, D]
-    r = lens.rank
-    root = s[:, :r].sqrt()  # [n, r]
-    lens.down[index] = (u[:, :, :r] * root[:, None]).to(lens.down.device)  # [n, D, r]
-    lens.up[index] = (root[:, :, None] * vh[:, :r]).to(lens.up.device)  # [n, r, D]
+        positions += len(window)
+    return gram / positions, cross / positions
 
 
-def block_kl(read_out: ReadOut, lens: TunedLens, block: int, stream: torch.Tensor, target: torch.Tensor):
-    """Mean over positions of KL(target || read-out of the translated stream): stream [P, D] leaving
-    ``block``, target the final distribution's log-probabilities [P, C]."""
-    log_q = F.log_softmax(read_out.logits(lens(block, stream)).float(), dim=-1)  # [P, C]
-    return F.kl_div(log_q, target, log_target=True, reduction="batchmean")
+class Translators:
+    """The translators of the fitted blocks as the optimiser moves them: block j's is
+    ``h + [h, 1] R_j M_j`` at full rank, ``h + ([h, 1] R_j U_j) V_j`` at rank r, ``R_j`` a fixed
+    change of coordinates of its input (the whitening, or the identity). ``lens()`` maps them back to
+    a ``TunedLens``."""
+
+    def __init__(self, coordinates: torch.Tensor, factors: dict[str, torch.Tensor], blocks: list[int]):
+        self.coordinates = coordinates  # [n, D+1, D+1]: R
+        self.factors = factors  # {"M": [n, D+1, D]} or {"U": [n, D+1, r], "V": [n, r, D]}
+        self.blocks = blocks
+
+    @classmethod
+    def start(cls, recipe: Recipe, gram: torch.Tensor, cross: torch.Tensor, blocks: list[int]) -> Translators:
+        """At the recipe's start: the least-squares map to the normalised final stream (at rank r its
+        best rank-r part in the optimiser's coordinates), or the identity. Solved with a ridge of 1e-6
+        of the mean diagonal, in float64."""
+        n, width = gram.shape[0], gram.shape[1]
+        eye = torch.eye(width, dtype=torch.float64)
+        ridged = gram + 1e-6 * gram.diagonal(dim1=1, dim2=2).mean(-1)[:, None, None] * eye  # [n, D+1, D+1]
+        if recipe.whiten:  # x R has E[(x R)^T (x R)] = I: R = L^-T for ridged = L L^T
+            inverse = torch.linalg.solve_triangular(
+                torch.linalg.cholesky(ridged), eye.expand(n, -1, -1), upper=False
+            )
+            coordinates = inverse.transpose(1, 2)  # [n, D+1, D+1]
+        else:
+            coordinates = eye.expand(n, -1, -1).clone()
+        correction = torch.zeros(n, width, width - 1, dtype=torch.float64)  # [n, D+1, D]: the identity
+        if recipe.init == "regression":  # x B ~ z, B = ridged^-1 cross; the correction of h is B - [I; 0]
+            correction = torch.linalg.solve(ridged, cross) - eye[:, : width - 1]
+        moved = torch.linalg.solve(coordinates, correction)  # [n, D+1, D]: R M = correction
+        if recipe.rank is None:
+            return cls(coordinates.float(), {"M": moved.float()}, blocks)
+        if recipe.init == "identity":  # LoRA's start: V zero, U small and random (seeded)
+            generator = torch.Generator().manual_seed(recipe.seed)
+            U = torch.randn(n, width, recipe.rank, generator=generator, dtype=torch.float64) / width**0.5
+            return cls(
+                coordinates.float(), {"U": U.float(), "V": torch.zeros(n, recipe.rank, width - 1)}, blocks
+            )
+        u, s, vh = torch.linalg.svd(moved, full_matrices=False)  # [n, D+1, D], [n, D], [n, D, D]
+        root = s[:, : recipe.rank].sqrt()  # [n, r]
+        U, V = u[:, :, : recipe.rank] * root[:, None], root[:, :, None] * vh[:, : recipe.rank]
+        return cls(coordinates.float(), {"U": U.float(), "V": V.float()}, blocks)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.factors.values())
+
+    def translate(self, j: int, stream: torch.Tensor) -> torch.Tensor:
+        """The stream [P, D] leaving ``blocks[j]``, translated: [P, D]."""
+        x = with_ones(stream) @ self.coordinates[j]  # [P, D+1]
+        if "M" in self.factors:
+            return stream + x @ self.factors["M"][j]  # [P, D]
+        return stream + (x @ self.factors["U"][j]) @ self.factors["V"][j]  # [P, r] -> [P, D]
+
+    @torch.no_grad()
+    def lens(self, n_layer: int) -> TunedLens:
+        """The ``TunedLens`` these translators are, in the stream's own coordinates: ``h + h A + b``."""
+        index = torch.tensor(self.blocks)
+        if "M" in self.factors:
+            correction = self.coordinates @ self.factors["M"]  # [n, D+1, D]: rows of h, then the bias
+            width = correction.shape[-1]
+            lens = TunedLens.identity(n_layer, width)
+            lens.weight[index], lens.bias[index] = correction[:, :width], correction[:, width]
+        else:
+            down = self.coordinates @ self.factors["U"]  # [n, D+1, r]
+            width, rank = down.shape[1] - 1, down.shape[2]
+            lens = TunedLens(
+                bias=torch.zeros(n_layer, width), down=torch.zeros(n_layer, width, rank),
+                up=torch.zeros(n_layer, rank, width),
+            )  # fmt: skip
+            lens.down[index], lens.up[index] = down[:, :width], self.factors["V"]
+            lens.bias[index] = (down[:, width : width + 1] @ self.factors["V"])[:, 0]  # [n, D]
+        lens.blocks = tuple(self.blocks)
+        return lens
+
+
+class Target:
+    """The final distribution of a batch's positions, as the fit compares each exit's with it."""
+
+    def __init__(self, read_out: ReadOut, final: torch.Tensor):
+        log_p = F.log_softmax(read_out.logits(final).float(), dim=-1)  # [P, C]
+        self.probs = log_p.exp()  # [P, C]
+        self.entropy = float(-(self.probs * log_p).sum(-1).mean())  # mean over positions, nats
+
+    def cross_entropy(self, read_out: ReadOut, translated: torch.Tensor) -> torch.Tensor:
+        """Mean over positions of H(final, read-out of ``translated`` [P, D]): KL(final || exit) plus
+        the final entropy, which no translator changes, so the same gradient (one pass fewer over
+        [P, C] than ``F.kl_div``)."""
+        return F.cross_entropy(read_out.logits(translated).float(), self.probs)
 
 
 @torch.no_grad()
@@ -202,15 +215,16 @@ def held_out_kl(
 ) -> dict[str, list[float]]:
     """Mean KL(final || exit) per block of ``blocks`` over every position of ``windows``: through
     ``lens`` ("tuned") and through no translator ("logit", the logit lens)."""
-    read_out, identity = ReadOut(model), TunedLens.identity(lens.n_layer, lens.width).to(lens.bias.device)
+    read_out = ReadOut(model)
     totals = {"tuned": torch.zeros(len(blocks)), "logit": torch.zeros(len(blocks))}
     positions = 0
     for window in windows:
         leaving, final = streams(model, window, blocks)  # [n, T, D], [T, D]
-        target = F.log_softmax(read_out.logits(final).float(), dim=-1)  # [T, C]
-        for name, applied in (("tuned", lens), ("logit", identity)):
-            for j, block in enumerate(blocks):
-                totals[name][j] += float(block_kl(read_out, applied, block, leaving[j], target)) * len(window)
+        target = Target(read_out, final)
+        for j, block in enumerate(blocks):
+            for name, stream in (("tuned", lens(block, leaving[j])), ("logit", leaving[j])):
+                kl = float(target.cross_entropy(read_out, stream)) - target.entropy
+                totals[name][j] += kl * len(window)
         positions += len(window)
     return {name: (total / positions).tolist() for name, total in totals.items()}
 
@@ -259,12 +273,17 @@ def check_blocks(blocks: list[int] | None, n_layer: int) -> list[int]:
     return sorted(blocks)
 
 
-def save_checkpoint(path: Path, step: int, lens: TunedLens, optimizer, identity: dict) -> None:
+def save_checkpoint(path: Path, step: int, translators: Translators, optimizer, identity: dict) -> None:
     """The translators, the optimiser's state and what the fit is of (``identity``), through a
     temporary name then renamed."""
     temporary = path.with_name(path.name + ".tmp")
-    tensors = {name: tensor.detach().cpu().clone() for name, tensor in lens.tensors().items()}
-    torch.save({"step": step, "tensors": tensors, "optimizer": optimizer.state_dict(), **identity}, temporary)
+    factors = {name: tensor.detach().cpu().clone() for name, tensor in translators.factors.items()}
+    state = {
+        "coordinates": translators.coordinates.cpu(),
+        "factors": factors,
+        "optimizer": optimizer.state_dict(),
+    }
+    torch.save({"step": step, **state, **identity}, temporary)
     temporary.replace(path)
 
 
@@ -317,26 +336,25 @@ def fit_tuned_lens(
         "recipe": dataclasses.asdict(recipe),
     }
     state = load_checkpoint(checkpoint, identity) if resume else None
+    start = 0 if state is None else state["step"]
     with frozen(model):
-        lens, optimizer, peak = start_fit(model, calibration, recipe, blocks, state)
+        translators, optimizer, peak = start_fit(model, calibration, recipe, blocks, state)
         steps = tqdm(
-            range(0 if state is None else state["step"], recipe.steps), total=recipe.steps,
-            initial=0 if state is None else state["step"], desc="lens fit", unit="step",
+            range(start, recipe.steps), total=recipe.steps, initial=start, desc="lens fit", unit="step",
             disable=not progress, dynamic_ncols=True,
         )  # fmt: skip
         for step in steps:
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(recipe, peak, step)
             chosen = step_windows(len(calibration), recipe.windows_per_step, step, recipe.seed)
-            kl = train_step(model, lens, [calibration[i] for i in chosen], blocks, optimizer, recipe.clip)
-            steps.set_postfix(kl=f"{kl:.3f}")
+            kl = train_step(model, translators, [calibration[i] for i in chosen], optimizer, recipe.clip)
+            steps.set_postfix(kl=f"{kl:.4f}")
             done = step + 1
             if checkpoint is not None and done % recipe.checkpoint_every == 0 and done < recipe.steps:
-                save_checkpoint(checkpoint, done, lens, optimizer, identity)
-        fitted = lens.detached()
-        kl = held_out_kl(model, fitted, held_out, blocks)
-    fitted.blocks = tuple(blocks)
-    fitted.metadata = {
+                save_checkpoint(checkpoint, done, translators, optimizer, identity)
+        lens = translators.lens(model.config.n_layer).to(model.wte.weight.device)
+        kl = held_out_kl(model, lens, held_out, blocks)
+    lens.metadata = {
         **{key: identity[key] for key in ("calibration_sha256", "model_fingerprint", "recipe")},
         "steps": recipe.steps,
         "calibration_windows": len(calibration),
@@ -344,45 +362,45 @@ def fit_tuned_lens(
     }
     for name, values in kl.items():  # per block of the model, None where not fitted
         per_block = dict(zip(blocks, values, strict=True))
-        fitted.metadata[f"held_out_kl_{name}"] = [per_block.get(i) for i in range(model.config.n_layer)]
+        lens.metadata[f"held_out_kl_{name}"] = [per_block.get(i) for i in range(model.config.n_layer)]
     if checkpoint is not None:
         checkpoint.unlink(missing_ok=True)
-    return fitted
+    return lens
 
 
 def start_fit(
     model: GPT, calibration: list[list[int]], recipe: Recipe, blocks: list[int], state: dict | None
-) -> tuple[TunedLens, torch.optim.Optimizer, float]:
-    """The lens to fit (from the checkpoint ``state``, else initialised by ``recipe.init``), its
+) -> tuple[Translators, torch.optim.Optimizer, float]:
+    """The translators to fit (from the checkpoint ``state``, else as ``recipe`` starts them), their
     optimiser (restored from ``state``) and the peak learning rate."""
-    cfg, device = model.config, model.wte.weight.device
+    device = model.wte.weight.device
     if state is not None:
-        lens = TunedLens(**state["tensors"]).to(device)
+        translators = Translators(state["coordinates"], state["factors"], blocks)
     else:
-        lens = TunedLens.identity(cfg.n_layer, cfg.n_embd, recipe.rank, recipe.seed).to(device)
-        if recipe.init == "regression":
-            regression_init(model, lens, calibration, blocks)
-    optimizer, peak = make_optimizer(recipe, [t.requires_grad_() for t in lens.tensors().values()])
+        translators = Translators.start(recipe, *moments(model, calibration, blocks), blocks)
+    translators.coordinates = translators.coordinates.to(device)
+    translators.factors = {name: t.to(device).requires_grad_() for name, t in translators.factors.items()}
+    optimizer, peak = make_optimizer(recipe, translators.parameters())
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
-    return lens, optimizer, peak
+    return translators, optimizer, peak
 
 
 def train_step(
-    model: GPT, lens: TunedLens, batch: list[list[int]], blocks: list[int], optimizer, clip: float | None
+    model: GPT, translators: Translators, batch: list[list[int]], optimizer, clip: float | None
 ) -> float:
     """One optimiser step on the positions of ``batch``; the mean KL over blocks before it."""
     read_out = ReadOut(model)
-    leaving, final = batch_streams(model, batch, blocks)  # [n, P, D], [P, D]
+    leaving, final = batch_streams(model, batch, translators.blocks)  # [n, P, D], [P, D]
     with torch.no_grad():
-        target = F.log_softmax(read_out.logits(final).float(), dim=-1)  # [P, C]
+        target = Target(read_out, final)
     total = 0.0
-    for j, block in enumerate(blocks):  # one block's logits at a time: [P, C] each, not [n, P, C]
-        kl = block_kl(read_out, lens, block, leaving[j], target)
-        kl.backward()
-        total += float(kl.detach())
+    for j in range(len(translators.blocks)):  # one block's logits at a time: [P, C] each, not [n, P, C]
+        cross_entropy = target.cross_entropy(read_out, translators.translate(j, leaving[j]))
+        cross_entropy.backward()
+        total += float(cross_entropy.detach()) - target.entropy
     if clip is not None:
-        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], clip)
+        torch.nn.utils.clip_grad_norm_(translators.parameters(), clip)
     optimizer.step()
     optimizer.zero_grad()
-    return total / len(blocks)
+    return total / len(translators.blocks)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.analysis import common
-from lab.lens.fit import streams
+from lab.lens.data import streams
 from lab.lens.translator import ReadOut, TunedLens
 from lab.model import GPT
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -137,23 +138,22 @@ class ReadOut:
         device = model.wte.weight.device
         self.ln_f = model.ln_f
         self.rows = model.read_rows if model.read_rows is not None else torch.arange(V, device=device)
-        self.table = model.wte.weight[self.rows].detach()  # [V_read, D]
         bias = model.logit_bias if model.logit_bias is not None else torch.zeros(V, device=device)
         self.bias = bias.detach().float()  # [V]
-        self.row_bias = self.bias[self.rows]  # [V_read]
-        unread = torch.ones(V, dtype=torch.bool, device=device)
-        unread[self.rows] = False
-        self.unread = unread  # [V]
-        self.pooled = torch.logsumexp(self.bias[unread], 0) if bool(unread.any()) else None
+        self.unread = torch.ones(V, dtype=torch.bool, device=device)  # [V]
+        self.unread[self.rows] = False
+        self.pooled = torch.logsumexp(self.bias[self.unread], 0) if bool(self.unread.any()) else None
+        table, row_bias = model.wte.weight[self.rows].detach(), self.bias[self.rows]  # [V_read, D], [V_read]
+        if self.pooled is not None:  # the pooled column: a zero row whose bias is the pooled logit
+            table = torch.cat([table, table.new_zeros(1, table.size(1))])  # [V_read + 1, D]
+            row_bias = torch.cat([row_bias, self.pooled[None]])  # [V_read + 1]
+        self.table, self.row_bias = table, row_bias.to(table.dtype)
         self.column = torch.full((V,), -1, dtype=torch.long, device=device)  # [V]: token -> its column
         self.column[self.rows] = torch.arange(len(self.rows), device=device)
 
     def logits(self, stream: torch.Tensor) -> torch.Tensor:
         """stream [..., D] -> logits [..., C]: the read rows', then the pooled column (if any)."""
-        logits = self.ln_f(stream) @ self.table.t() + self.row_bias  # [..., V_read]
-        if self.pooled is None:
-            return logits
-        return torch.cat([logits, self.pooled.expand(*logits.shape[:-1], 1)], dim=-1)  # [..., V_read + 1]
+        return F.linear(self.ln_f(stream), self.table, self.row_bias)  # [..., C]
 
     def token_log_probs(self, log_probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """log P(target) [...] from ``log_softmax(logits)`` [..., C] and GPT-2 ids ``targets`` [...]: a
