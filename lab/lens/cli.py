@@ -14,11 +14,14 @@ the shipped builtin models the user's cache dir, never the package), with a chec
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+import torch
 
 from lab import tokens
 from lab.analysis import common
@@ -56,12 +59,17 @@ class FitOptions:
     """At most this many windows of text; every 8th is held out to measure the fit."""
     windows_per_step: int = fit.Recipe.windows_per_step
     """Windows whose positions make one step's batch."""
-    init: Literal["regression", "identity"] = "regression"
-    """regression: start from the least-squares map to the final stream; identity: the logit lens."""
-    optimizer: Literal["adam", "sgd"] = "adam"
-    """adam, or sgd (Nesterov momentum: with --init identity, tuned-lens's recipe)."""
+    recipe: Literal["whitened", "tuned-lens"] = "whitened"
+    """whitened: start from the least-squares map to the final stream, then Adam in each block's
+    whitened coordinates; tuned-lens: tuned-lens 0.2.0's (identity start, SGD with Nesterov momentum,
+    weight decay 1e-3, gradients clipped to norm 1)."""
+    init: Literal["regression", "identity"] | None = None
+    """Override the recipe's start: regression (least squares), or identity (the logit lens)."""
     lr: float | None = None
-    """Peak learning rate, decayed linearly to zero (default: 1e-3 for adam, 0.1 for sgd)."""
+    """Peak learning rate, decayed linearly to zero (default: 0.01 / sqrt(width) for whitened, 0.1 for
+    tuned-lens)."""
+    threads: int | None = None
+    """Torch threads (default: the cores; on a loaded machine 1 can be much faster)."""
     seed: int = 0
     """Seeds the order of the windows."""
     checkpoint_every: int = fit.Recipe.checkpoint_every
@@ -102,6 +110,8 @@ def run_fit(options: FitOptions) -> int:
     from lab.weights import load_model
 
     spec = options.model or common.default_model_spec()
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
     model = load_model(spec)
     windows, source = data.calibration_windows(model, options.prompts, options.windows)
     calibration, held_out = data.split_held_out(windows)
@@ -135,12 +145,11 @@ def run_fit(options: FitOptions) -> int:
 
 
 def fit_recipe(options: FitOptions) -> fit.Recipe:
-    sgd = options.optimizer == "sgd"  # with tuned-lens's optimiser come its weight decay and clipping
-    return fit.Recipe(
-        steps=options.steps, windows_per_step=options.windows_per_step, rank=options.rank,
-        init=options.init, optimizer=options.optimizer, lr=options.lr, seed=options.seed,
-        checkpoint_every=options.checkpoint_every, weight_decay=fit.BELROSE.weight_decay if sgd else 0.0,
-        clip=fit.BELROSE.clip if sgd else None,
+    base = fit.Recipe() if options.recipe == "whitened" else fit.BELROSE
+    overrides = {"init": options.init} if options.init is not None else {}
+    return dataclasses.replace(
+        base, steps=options.steps, windows_per_step=options.windows_per_step, rank=options.rank,
+        lr=options.lr, seed=options.seed, checkpoint_every=options.checkpoint_every, **overrides,
     )  # fmt: skip
 
 

@@ -66,7 +66,8 @@ class Recipe:
     optimizer: Literal["adam", "sgd"] = "adam"
     """adam; or sgd with Nesterov momentum, as tuned-lens trains."""
     lr: float | None = None
-    """Peak learning rate (None: 1e-3 for Adam, tuned-lens's 1.0 x (1 - momentum) for SGD)."""
+    """Peak learning rate (None: for Adam 0.01 / sqrt(D), see ``make_optimizer``; for SGD tuned-lens's
+    1.0 x (1 - momentum))."""
     momentum: float = 0.9
     """SGD's momentum, Adam's beta1."""
     weight_decay: float = 0.0
@@ -241,15 +242,20 @@ def step_windows(count: int, per_step: int, step: int, seed: int) -> list[int]:
     return picked
 
 
-def make_optimizer(recipe: Recipe, parameters: list[torch.Tensor]) -> tuple[torch.optim.Optimizer, float]:
-    """The optimiser and its peak learning rate."""
+def make_optimizer(
+    recipe: Recipe, parameters: list[torch.Tensor], width: int
+) -> tuple[torch.optim.Optimizer, float]:
+    """The optimiser and its peak learning rate. Adam moves every entry of a translator by about the
+    learning rate per step; in whitened coordinates a translated feature then moves by about lr x
+    sqrt(D) of the unit scale its target has, so the default, 0.01 / sqrt(D), moves each by about 1%
+    a step at any width."""
     if recipe.optimizer == "sgd":
         lr = recipe.lr if recipe.lr is not None else 1.0 * (1 - recipe.momentum)
         optimizer = torch.optim.SGD(
             parameters, lr=lr, momentum=recipe.momentum, nesterov=True, weight_decay=recipe.weight_decay
         )
         return optimizer, lr
-    lr = recipe.lr if recipe.lr is not None else 1e-3
+    lr = recipe.lr if recipe.lr is not None else 0.01 / width**0.5
     betas = (recipe.momentum, 0.999)
     return torch.optim.Adam(parameters, lr=lr, betas=betas, weight_decay=recipe.weight_decay), lr
 
@@ -380,7 +386,7 @@ def start_fit(
         translators = Translators.start(recipe, *moments(model, calibration, blocks), blocks)
     translators.coordinates = translators.coordinates.to(device)
     translators.factors = {name: t.to(device).requires_grad_() for name, t in translators.factors.items()}
-    optimizer, peak = make_optimizer(recipe, translators.parameters())
+    optimizer, peak = make_optimizer(recipe, translators.parameters(), model.config.n_embd)
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
     return translators, optimizer, peak
