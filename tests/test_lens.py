@@ -13,7 +13,7 @@ from lab import cli
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
 from lab.errors import UserError
-from lab.lens import fit, home, report
+from lab.lens import cost, fit, home, report
 from lab.lens.data import fingerprint
 from lab.lens.translator import FILE, ReadOut, TunedLens, load_tuned_lens, save_tuned_lens
 from lab.model import GPT, rows_alone
@@ -304,6 +304,21 @@ def test_the_cli_fits_and_reports_on_a_tiny_saved_model(tmp_path, capsys):
     assert [row["exit"] for row in result["rows"]] == [1, 2, 3] and result["positions"] == 200 - 7
     assert result["lens"] == str(tmp_path / "model" / FILE) and png.stat().st_size > 0
     assert cli.main(["lens", "fit", "--model", str(tmp_path / "model"), "--resume"]) == 2  # nothing to resume
+
+
+def test_the_cost_counts_a_twelfth_of_a_blocks_weights(model, capsys):
+    got = cost.translator_cost(model, repeats=3, position=5)
+    D = CFG.n_embd
+    assert got["block_weights"] == 12 * D * D and got["translator_weights"] == D * D
+    assert got["weight_ratio"] == 1 / 12 and got["time_ratio"] == got["translator_ms"] / got["block_ms"]
+    assert "translator / block: 8.3% of the weights" in cost.render({**got, "model": "tiny"})
+
+
+def test_lens_without_a_subcommand_says_what_there_is(capsys):
+    assert cli.main(["lens"]) == 2
+    assert "usage: blocklab lens {fit,report,cost}" in capsys.readouterr().err
+    assert cli.main(["lens", "--help"]) == 0
+    assert "report" in capsys.readouterr().out
 
 
 def test_parity_with_the_tuned_lens_package(tmp_path):

@@ -9,9 +9,11 @@ middle of a model trained the ordinary way far better than the logit lens (``exi
 - ``lab.lens.translator``: ``TunedLens`` (the translators), ``ReadOut`` (the read-out over the rows a
   model reads), the file ``tuned_lens.safetensors`` and its checks;
 - ``lab.lens.home``: where a model's lens is kept (``lens_home``) and found (``find_tuned_lens``);
+- ``lab.lens.data``: the calibration and held-out windows of text, and the streams the model leaves;
 - ``lab.lens.fit``: fitting with the model frozen (``fit_tuned_lens``), resumable;
 - ``lab.lens.report``: per block, loss, KL and top-1 agreement with either lens (``blocklab lens report``);
-- ``lab.lens.cli``: ``blocklab lens fit`` and ``blocklab lens report``.
+- ``lab.lens.cost``: a translator's weights and time against a block's (``blocklab lens cost``);
+- ``lab.lens.cli``: ``blocklab lens fit|report|cost``.
 """
 
 from lab.lens.home import find_tuned_lens, lens_home

@@ -184,11 +184,8 @@ class Translators:
             lens.weight[index], lens.bias[index] = correction[:, :width], correction[:, width]
         else:
             down = self.coordinates @ self.factors["U"]  # [n, D+1, r]
-            width, rank = down.shape[1] - 1, down.shape[2]
-            lens = TunedLens(
-                bias=torch.zeros(n_layer, width), down=torch.zeros(n_layer, width, rank),
-                up=torch.zeros(n_layer, rank, width),
-            )  # fmt: skip
+            width = down.shape[1] - 1
+            lens = TunedLens.identity(n_layer, width, rank=down.shape[2])
             lens.down[index], lens.up[index] = down[:, :width], self.factors["V"]
             lens.bias[index] = (down[:, width : width + 1] @ self.factors["V"])[:, 0]  # [n, D]
         lens.blocks = tuple(self.blocks)

@@ -61,15 +61,12 @@ class TunedLens:
     """What the file records: the calibration text's fingerprint, steps, held-out KL per block, ..."""
 
     @classmethod
-    def identity(cls, n_layer: int, width: int, rank: int | None = None, seed: int = 0) -> TunedLens:
-        """Every translator the identity. At rank r, ``up`` is zero and ``down`` small and random
-        (seeded): with both zero neither would get a gradient (LoRA's start)."""
+    def identity(cls, n_layer: int, width: int, rank: int | None = None) -> TunedLens:
+        """Every translator the identity (the logit lens), at full rank or at rank r."""
         bias = torch.zeros(n_layer, width)
         if rank is None:
             return cls(bias=bias, weight=torch.zeros(n_layer, width, width))
-        generator = torch.Generator().manual_seed(seed)
-        down = torch.randn(n_layer, width, rank, generator=generator) / width**0.5  # [L, D, r]
-        return cls(bias=bias, down=down, up=torch.zeros(n_layer, rank, width))
+        return cls(bias=bias, down=torch.zeros(n_layer, width, rank), up=torch.zeros(n_layer, rank, width))
 
     @property
     def n_layer(self) -> int:
@@ -100,23 +97,9 @@ class TunedLens:
             delta = _product(_product(x, self.down[block]), self.up[block])  # [N, r] -> [N, D]
         return (x + delta + self.bias[block]).view(*lead, D)
 
-    def translate_blocks(self, blocks: list[int], streams: torch.Tensor) -> torch.Tensor:
-        """Several blocks at once, for fitting: streams [n, N, D] leaving ``blocks`` -> [n, N, D]."""
-        index = torch.tensor(blocks)
-        bias = self.bias[index][:, None]  # [n, 1, D]
-        if self.weight is not None:
-            return streams + torch.baddbmm(bias, streams, self.weight[index])  # [n, N, D]
-        low = torch.bmm(streams, self.down[index])  # [n, N, r]
-        return streams + torch.baddbmm(bias, low, self.up[index])  # [n, N, D]
-
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> TunedLens:
         moved = {name: tensor.to(device=device, dtype=dtype) for name, tensor in self.tensors().items()}
         return TunedLens(**moved, blocks=self.blocks, metadata=self.metadata)
-
-    def detached(self) -> TunedLens:
-        """A copy of the current values without autograd history (a snapshot of a lens being fitted)."""
-        copies = {name: tensor.detach().clone() for name, tensor in self.tensors().items()}
-        return TunedLens(**copies, blocks=self.blocks, metadata=dict(self.metadata))
 
 
 # ---------------------------------------------------------------------------------------------------
