@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab import cli
+from lab import cli, weights
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
 from lab.errors import UserError
@@ -257,11 +257,14 @@ def test_the_report_is_the_direct_computation(compact, fitted):
 def test_where_a_lens_lives(tmp_path, monkeypatch):
     monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path / "cache"))
     assert home.lens_home("builtin") == tmp_path / "cache" / "builtin"  # never the package's lab/assets
-    assert home.lens_sources("builtin")[1].parts[-3:] == ("lab", "assets", "builtin")
     assert home.lens_home(str(tmp_path)) == tmp_path
     (tmp_path / "ckpt.pt").write_bytes(b"")
     assert home.lens_home(str(tmp_path / "ckpt.pt")) == tmp_path
     assert home.lens_home("openai-community/gpt2") == tmp_path / "cache" / "hub" / "openai-community--gpt2"
+    shipped = str(weights.shipped_dir("builtin"))  # the shipped model named by its path: still the cache
+    assert home.lens_home(shipped) == tmp_path / "cache" / "builtin"
+    assert home.lens_sources("builtin") == [tmp_path / "cache" / "builtin", weights.shipped_dir("builtin")]
+    assert home.lens_sources(str(tmp_path)) == [tmp_path]
 
 
 def test_find_prefers_a_lens_fitted_to_the_model(tmp_path, monkeypatch, fitted):

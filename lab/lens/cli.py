@@ -25,6 +25,7 @@ import torch
 
 from lab import tokens
 from lab.analysis import common
+from lab.errors import UserError
 from lab.lens import cost, data, fit, report
 from lab.lens.home import find_tuned_lens, lens_home
 from lab.lens.translator import FILE, save_tuned_lens
@@ -158,6 +159,8 @@ def run_report(options: ReportOptions) -> int:
 
     spec = options.model or common.default_model_spec()
     model = load_model(spec)
+    if model.config.vocab_size < tokens.VOCAB_SIZE:
+        raise UserError(f"text needs a model with GPT-2's vocabulary; this one has {model.config.vocab_size}")
     lens, directory = find_tuned_lens(spec, model, options.lens)
     ids, source = report_tokens(options.text, options.tokens)
     windows = data.text_windows(ids, model.config.block_size)

@@ -20,7 +20,7 @@ from pathlib import Path
 from lab.errors import UserError
 from lab.lens.translator import TunedLens, load_tuned_lens
 from lab.model import GPT
-from lab.weights import BUILTIN_MODELS, builtin_dir, cache_root, shipped_dir
+from lab.weights import BUILTIN_MODELS, SHIPPED_DIR, builtin_dir, cache_root, shipped_dir
 
 
 def lens_home(spec: str) -> Path:
@@ -30,17 +30,19 @@ def lens_home(spec: str) -> Path:
     if spec == "gpt2-random":
         return cache_root() / spec
     path = Path(spec).expanduser()
-    if path.is_file():
-        return path.parent
-    if path.exists():
-        return path
-    return cache_root() / "hub" / spec.replace("/", "--")  # a hub id (lab.weights.locate)
+    if path.resolve().is_relative_to(SHIPPED_DIR.resolve()):  # a shipped model named by its path
+        return builtin_dir(path.resolve().relative_to(SHIPPED_DIR.resolve()).parts[0])
+    if not path.exists():
+        return cache_root() / "hub" / spec.replace("/", "--")  # a hub id (lab.weights.locate)
+    return path if path.is_dir() else path.parent  # a checkpoint file: its directory
 
 
 def lens_sources(spec: str) -> list[Path]:
-    """Where a lens of ``spec`` is looked for, in order: its home, then for a builtin model the
-    package's copy beside the shipped weights (where a release may ship one)."""
-    return [lens_home(spec)] + ([shipped_dir(spec)] if spec in BUILTIN_MODELS else [])
+    """Where a lens of ``spec`` is looked for, in order: its home, then beside the weights when
+    those are elsewhere (the package's copy of a shipped model, where a release may ship one)."""
+    home, path = lens_home(spec), Path(spec).expanduser()
+    beside = shipped_dir(spec) if spec in BUILTIN_MODELS else path
+    return [home] + ([beside] if beside != home and (spec in BUILTIN_MODELS or path.is_dir()) else [])
 
 
 def find_tuned_lens(spec: str, model: GPT, directory: Path | None = None) -> tuple[TunedLens, Path]:
