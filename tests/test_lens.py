@@ -132,6 +132,15 @@ def test_fitting_lowers_the_held_out_kl(model, recipe):
     assert lens.rank == recipe.rank
 
 
+def test_positions_in_chunks_fit_the_same_lens(model, fitted, monkeypatch):
+    monkeypatch.setattr(fit, "CHUNK_BYTES", 4 * CFG.vocab_size * 7)  # 7 positions' logits at a time
+    assert [(c.start, c.stop) for c in fit.position_chunks(16, CFG.vocab_size)] == [(0, 7), (7, 14), (14, 16)]
+    data = windows(12)
+    chunked = fit.fit_tuned_lens(model, data[:10], data[10:], QUICK, progress=False)
+    for name, tensor in fitted.tensors().items():
+        torch.testing.assert_close(chunked.tensors()[name], tensor, rtol=1e-4, atol=1e-5)
+
+
 def test_only_the_chosen_blocks_are_fitted(model):
     data = windows(6)
     lens = fit.fit_tuned_lens(model, data[:5], data[5:], fit.Recipe(steps=2), blocks=[1], progress=False)

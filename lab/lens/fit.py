@@ -192,6 +192,19 @@ class Translators:
         return lens
 
 
+CHUNK_BYTES = 16 << 20
+"""Exit logits are computed for as many positions at a time as fill this many bytes: glibc's malloc
+maps each block over 32 MB afresh from the kernel and unmaps it on free, and the page faults of the
+[P, C] tensors a step allocates and frees for every block then cost about as much system time as the
+products themselves; under the threshold, freed memory is reused."""
+
+
+def position_chunks(positions: int, columns: int) -> list[slice]:
+    """Slices of ``positions`` rows of at most ``CHUNK_BYTES`` of fp32 logits of ``columns`` each."""
+    rows = max(1, CHUNK_BYTES // (4 * columns))
+    return [slice(start, min(start + rows, positions)) for start in range(0, positions, rows)]
+
+
 class Target:
     """The final distribution of a batch's positions, as the fit compares each exit's with it."""
 
@@ -200,11 +213,11 @@ class Target:
         self.probs = log_p.exp()  # [P, C]
         self.entropy = float(-(self.probs * log_p).sum(-1).mean())  # mean over positions, nats
 
-    def cross_entropy(self, read_out: ReadOut, translated: torch.Tensor) -> torch.Tensor:
-        """Mean over positions of H(final, read-out of ``translated`` [P, D]): KL(final || exit) plus
-        the final entropy, which no translator changes, so the same gradient (one pass fewer over
-        [P, C] than ``F.kl_div``)."""
-        return F.cross_entropy(read_out.logits(translated).float(), self.probs)
+    def cross_entropy(self, read_out: ReadOut, translated: torch.Tensor, rows: slice = slice(None)):
+        """Mean over the positions ``rows`` of H(final, read-out of ``translated`` [P', D] there):
+        KL(final || exit) plus the final entropy, which no translator changes, so the same gradient
+        (one pass fewer over [P', C] than ``F.kl_div``)."""
+        return F.cross_entropy(read_out.logits(translated).float(), self.probs[rows])
 
 
 @torch.no_grad()
@@ -397,11 +410,14 @@ def train_step(
     leaving, final = batch_streams(model, batch, translators.blocks)  # [n, P, D], [P, D]
     with torch.no_grad():
         target = Target(read_out, final)
-    total = 0.0
-    for j in range(len(translators.blocks)):  # one block's logits at a time: [P, C] each, not [n, P, C]
-        cross_entropy = target.cross_entropy(read_out, translators.translate(j, leaving[j]))
-        cross_entropy.backward()
-        total += float(cross_entropy.detach()) - target.entropy
+    total, positions = 0.0, final.size(0)
+    for j in range(len(translators.blocks)):  # a block and a chunk of positions at a time (CHUNK_BYTES)
+        for rows in position_chunks(positions, target.probs.size(1)):
+            share = (rows.stop - rows.start) / positions
+            cross_entropy = target.cross_entropy(read_out, translators.translate(j, leaving[j][rows]), rows)
+            (cross_entropy * share).backward()
+            total += float(cross_entropy.detach()) * share
+        total -= target.entropy
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(translators.parameters(), clip)
     optimizer.step()
