@@ -40,6 +40,8 @@ SUBCOMMANDS = {
 
 @dataclass
 class FitOptions:
+    """What to fit a lens to, on which text, and how."""
+
     model: str | None = None
     """builtin | builtin-early-exit | gpt2-random | HUB_ID | DIR | CKPT (default: builtin if there,
     else gpt2-random)."""
@@ -79,6 +81,8 @@ class FitOptions:
 
 @dataclass
 class ReportOptions:
+    """Which model's lens to measure, on which text."""
+
     model: str | None = None
     """builtin | builtin-early-exit | gpt2-random | HUB_ID | DIR | CKPT (default: builtin if there,
     else gpt2-random)."""
@@ -99,6 +103,8 @@ class ReportOptions:
 
 @dataclass
 class CostOptions:
+    """Whose shapes to time."""
+
     model: str | None = None
     """Whose shapes to time (weights do not matter: gpt2-random is GPT-2 small's shapes)."""
     repeats: int = 200
