@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "timing": ("lab.analysis.timing", "attention's share of a Block's wall time"),
     "depth": ("lab.analysis.depth", "batch-1 latency of equal-parameter stacks of different depth"),
     "cost": ("lab.analysis.cost", "training cost (6ND) in FLOPs, hours and MFU"),
+    "lens": ("lab.lens.cli", "fit a tuned lens (a translator per block for early exit) and report its exits"),
     "plan": ("lab.plan", "which blocks to drop: every method's choice measured on your text, with latency"),
     "explore": ("lab.explore.app", "the Block, parameters, bus, ablation and frontier as one local page"),
 }
