@@ -26,10 +26,10 @@ import torch
 from lab import tokens
 from lab.analysis import common
 from lab.errors import UserError
+from lab.flags import parse
 from lab.lens import cost, data, fit, report
 from lab.lens.home import find_tuned_lens, lens_home
 from lab.lens.translator import FILE, save_tuned_lens
-from lab.options import parse
 
 SUBCOMMANDS = {
     "fit": "fit a tuned lens (the model frozen)",
