@@ -60,7 +60,7 @@ def _kind(hint: Any) -> str | None:
 def _names_and_hints(options: type | Callable) -> dict[str, Any]:
     hints = typing.get_type_hints(options)
     if dataclasses.is_dataclass(options):
-        return {field.name: hints[field.name] for field in dataclasses.fields(options)}
+        return {field.name: hints[field.name] for field in dataclasses.fields(options) if field.init}
     return {name: hints[name] for name in inspect.signature(options).parameters if name in hints}
 
 
@@ -159,7 +159,7 @@ def _one_list(value: str) -> str:
 
 def options(cls: type[T], args: Namespace) -> T:
     """The dataclass ``cls`` made from its fields' values in ``args`` (parsed with ``add_options(cls)``)."""
-    return cls(**{field.name: args[field.name] for field in dataclasses.fields(cls)})
+    return cls(**{field.name: args[field.name] for field in dataclasses.fields(cls) if field.init})
 
 
 def parse(cls: type[T], argv: Sequence[str], prog: str, description: str | None = None) -> T:

@@ -388,19 +388,15 @@ class GPT(nn.Module):
         return self.embed(self.drop(self.wte(idx) + self.wpe(positions)))  # [B, T, D]
 
     ZERO_ROW_SHARE = 0.1
-    """``compact_read_out`` skips a table's zero rows once they are at least this share of it: fewer save
-    less than filling in their logits costs."""
+    """``compact_read_out`` skips a table's zero rows once they are this share of it (fewer save little)."""
 
     @torch.no_grad()
     def compact_read_out(self) -> None:
-        """Have the read-out multiply only the token table's nonzero rows (inference).
-
-        A zero row's logit is its ``logit_bias`` alone (0 without one) whatever the stream, in every
-        precision, so the read-out need not compute it: ``unembed`` multiplies the other rows and fills
-        in the bias. The builtin models' tables are mostly such rows (tokens their corpus never uses).
-        The rows are copied (``read_table``, a buffer that follows ``.to()``), so call this again after
-        changing the table; training does not use it (``unembed`` reads the whole table in train mode).
-        """
+        """Have the read-out multiply only the token table's nonzero rows (inference). A zero row's logit
+        is its ``logit_bias`` alone (0 without one) whatever the stream, in every precision: ``unembed``
+        multiplies the other rows and fills in the bias. The builtin models' tables are mostly such rows.
+        The rows are copied (``read_table``, a buffer that follows ``.to()``): call this again after
+        changing the table; train mode reads the whole table."""
         table = self.wte.weight  # [V, D]
         nonzero = table.ne(0).any(dim=1)  # [V]
         if float((~nonzero).float().mean()) < self.ZERO_ROW_SHARE:
@@ -426,14 +422,9 @@ class GPT(nn.Module):
             logits = F.linear(h, table)  # [B, T, V_read or V]
         if not sparse:
             return logits if self.logit_bias is None else logits + self.logit_bias.to(logits.dtype)
-        full = (  # [B, T, V]: every skipped row's logit is its bias
-            logits.new_zeros(*logits.shape[:-1], self.config.vocab_size)
-            if self.logit_bias is None
-            else self.logit_bias.to(logits.dtype).expand(*logits.shape[:-1], -1).clone()
-        )
-        if self.logit_bias is not None:
-            logits = logits + self.logit_bias[self.read_rows].to(logits.dtype)  # [B, T, V_read]
-        return full.index_copy_(-1, self.read_rows, logits)  # [B, T, V]
+        bias = logits.new_zeros(self.config.vocab_size) if self.logit_bias is None else self.logit_bias  # [V]
+        full = bias.to(logits.dtype).expand(*logits.shape[:-1], -1).clone()  # [B, T, V]: skipped rows' bias
+        return full.index_copy_(-1, self.read_rows, logits + bias[self.read_rows].to(logits.dtype))
 
     def run_blocks(
         self,
