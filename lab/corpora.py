@@ -44,3 +44,19 @@ def stdlib_files(max_files: int | None = None) -> list[Path]:
 def held_out_stdlib_files() -> list[Path]:
     """The standard-library files the builtin model never trains on (its validation split)."""
     return stdlib_files()[::HELD_OUT_EVERY]
+
+
+def held_out_snippets(count: int, seed: int = 0) -> list[str]:
+    """``count`` pieces of held-out standard-library source (the text between two blank lines, 80 to
+    2000 characters: a function, a class, a block of statements), drawn with ``seed``: code the builtin
+    model never trained on, of the lengths requests have."""
+    import random
+
+    pieces = [
+        piece.strip("\n")
+        for path in held_out_stdlib_files()
+        for piece in path.read_text(encoding="utf-8", errors="replace").split("\n\n")
+        if 80 <= len(piece.strip()) <= 2000
+    ]
+    return random.Random(seed).sample(pieces, min(count, len(pieces)))
+

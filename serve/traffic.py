@@ -11,7 +11,7 @@
     blocklab traffic --serve builtin --block-sets-from runs/plan/plan.json   # a plan's frontier, served
 
 The same prompts (a text file with one prompt per line, a JSONL file with a ``prompt`` per line, or
-by default paragraphs of the Python docs bundled with Python, ``pydoc_data.topics``) are sent as
+by default pieces of the standard library's source the builtin model never trained on) are sent as
 streaming ``/predict`` requests that also score the prompt. Closed loop: ``--concurrency`` clients,
 each sending its next request when the last one ends. Open loop, as serving benchmarks measure
 (vLLM's ``bench serve``): requests arrive at ``--rate`` per second whatever the server does,
@@ -56,6 +56,7 @@ from tqdm import tqdm
 
 from lab import tokens
 from lab.blocks import BlockSet
+from lab.corpora import held_out_snippets
 from lab.errors import UserError
 from lab.flags import parse
 from lab.measure import CONFIDENCE, check_loopback, interval
@@ -80,7 +81,7 @@ class TrafficOptions:
     api_key: str | None = None
     """The server's API key, if it has one."""
     prompts: Path | None = None
-    """A text file (one prompt per line) or .jsonl (a prompt per line); default: pydoc paragraphs."""
+    """A text file (one prompt per line) or .jsonl (a prompt per line); default: held-out stdlib source."""
     block_sets: list[str] | None = None
     """Block set specs (default: adapted to the model's depth)."""
     block_sets_from: Path | None = None
@@ -236,17 +237,10 @@ def block_sets_of_plan(path: Path) -> list[str]:
 
 def read_prompts(path: Path | None, count: int, seed: int = 0) -> list[str]:
     """Prompts from a text file (one per line) or a JSONL file (``{"prompt": ...}`` or a string per
-    line); by default ``count`` paragraphs of the Python docs, drawn with ``seed``."""
+    line); by default ``count`` pieces of held-out standard-library source, drawn with ``seed``
+    (``lab.corpora.held_out_snippets``: the text ``bus``, ``ablate`` and ``plan`` read by default)."""
     if path is None:
-        from pydoc_data.topics import topics
-
-        paragraphs = [
-            " ".join(paragraph.split())
-            for text in topics.values()
-            for paragraph in text.split("\n\n")
-            if 80 <= len(paragraph.strip()) <= 2000
-        ]
-        return random.Random(seed).sample(sorted(paragraphs), min(count, len(paragraphs)))
+        return held_out_snippets(count, seed)
     lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
     if Path(path).suffix == ".jsonl":
         records = [json.loads(line) for line in lines]

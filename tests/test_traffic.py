@@ -10,6 +10,7 @@ import pytest
 from tqdm import tqdm
 
 from lab import tokens
+from lab.corpora import held_out_stdlib_files
 from lab.errors import UserError
 from serve import traffic, traffic_report
 from serve.client import Reply, arrival_gaps
@@ -76,7 +77,7 @@ def test_options_keep_their_spellings_and_refuse_what_cannot_run():
             traffic.TrafficOptions(**bad)
 
 
-def test_prompts_from_text_jsonl_and_the_bundled_docs(tmp_path):
+def test_prompts_from_text_jsonl_and_held_out_source(tmp_path):
     text = tmp_path / "prompts.txt"
     text.write_text("first prompt\n\nsecond prompt\n")
     assert traffic.read_prompts(text, 10) == ["first prompt", "second prompt"]
@@ -86,6 +87,8 @@ def test_prompts_from_text_jsonl_and_the_bundled_docs(tmp_path):
     bundled = traffic.read_prompts(None, 5, seed=1)
     assert len(bundled) == 5 and bundled == traffic.read_prompts(None, 5, seed=1)
     assert all(len(prompt) >= 80 for prompt in bundled)
+    held_out = "".join(path.read_text(errors="replace") for path in held_out_stdlib_files())
+    assert all(prompt in held_out for prompt in bundled)  # code the builtin model never trained on
     assert len(tokens.encode(traffic.fit_prompt(bundled[0] * 20, 30))) <= 30
 
 
