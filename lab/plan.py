@@ -189,23 +189,23 @@ def unique(points: list[Point]) -> list[Point]:
 def recommend(points: list[Point], max_loss_increase: float | None, budget_ms: float | None) -> Point:
     """The fastest set whose loss increase is at most ``max_loss_increase``, or the lowest-loss set
     that decodes within ``budget_ms`` per token."""
-    if budget_ms is not None:
-        within = [p for p in points if p.ms_per_token <= budget_ms]
-        if not within:
-            fastest = min(points, key=lambda p: p.ms_per_token)
-            raise UserError(
-                f"no block set decodes within {budget_ms:g} ms/token; the fastest, {fastest.block_set}, "
-                f"takes {fastest.ms_per_token:.2f} ms/token (loss {fastest.loss_increase:+.4f})"
-            )
-        return min(within, key=lambda p: (p.loss, p.ms_per_token))
-    within = [p for p in points if p.loss_increase <= max_loss_increase]
-    if not within:
-        lowest = min(points, key=lambda p: p.loss_increase)
-        raise UserError(
-            f"no block set stays within a loss increase of {max_loss_increase:g}; the least is "
-            f"{lowest.block_set} at {lowest.loss_increase:+.4f}"
+    if budget_ms is not None:  # the lowest loss within the budget
+        within, order = [p for p in points if p.ms_per_token <= budget_ms], lambda p: (p.loss, p.ms_per_token)
+        nearest = min(points, key=lambda p: p.ms_per_token)
+        miss = (
+            f"no block set decodes within {budget_ms:g} ms/token; the fastest, {nearest.block_set}, "
+            f"takes {nearest.ms_per_token:.2f} ms/token (loss {nearest.loss_increase:+.4f})"
         )
-    return min(within, key=lambda p: (p.ms_per_token, p.loss))
+    else:  # the fastest within the loss bound
+        within = [p for p in points if p.loss_increase <= max_loss_increase]
+        order, nearest = lambda p: (p.ms_per_token, p.loss), min(points, key=lambda p: p.loss_increase)
+        miss = (
+            f"no block set stays within a loss increase of {max_loss_increase:g}; the least is "
+            f"{nearest.block_set} at {nearest.loss_increase:+.4f}"
+        )
+    if not within:
+        raise UserError(miss)
+    return min(within, key=order)
 
 
 def measure_points(

@@ -62,9 +62,7 @@ def render(report: dict) -> str:
             f"{100 * worst[f'{m}_change']:+.1f}%), block {mildest['block']} the least ({mildest[m]:.4f}, "
             f"{100 * mildest[f'{m}_change']:+.1f}%)"
         )
-    if report.get("png"):
-        out.append(f"wrote {report['png']}")
-    return "\n".join(out)
+    return common.joined(out, report)
 
 
 def plot(report: dict, args) -> str | None:
@@ -104,10 +102,7 @@ def parser() -> flags.Parser:
 
 def main(argv: list[str]) -> int:
     args = parser().parse(argv[1:])
-
-    model, name = common.load_model_from_args(args)
-    ids, text = common.text_tokens(args, model)
-    report = {"model": name, "text": text, **ablation_report(model, ids, MODES[args.mode].split())}
+    report = common.on_text(args, lambda model, ids: ablation_report(model, ids, MODES[args.mode].split()))
     report["png"] = plot(report, args)
     common.emit(args, report, render(report))
     return 0

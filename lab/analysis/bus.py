@@ -105,9 +105,7 @@ def render(report: dict) -> str:
         )
     else:
         out.append("bookkeeping: - (post-LN, DeepNorm normalise each sum: the stream is not the writes' sum)")
-    if report.get("png"):
-        out.append(f"wrote {report['png']}")
-    return "\n".join(out)
+    return common.joined(out, report)
 
 
 def plot(report: dict, args) -> str | None:
@@ -157,10 +155,7 @@ def parser() -> flags.Parser:
 
 def main(argv: list[str]) -> int:
     args = parser().parse(argv[1:])
-
-    model, name = common.load_model_from_args(args)
-    ids, text = common.text_tokens(args, model)
-    report = {"model": name, "text": text, **stream_report(model, ids)}
+    report = common.on_text(args, stream_report)
     report["png"] = plot(report, args)
     common.emit(args, report, render(report))
     return 0

@@ -19,7 +19,7 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -343,6 +343,13 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([line(columns), rule, *(line(r) for r in cells)])
 
 
+def on_text(args: Namespace, measure: Callable[[GPT, list[int]], dict]) -> dict:
+    """The report of ``measure(model, ids)`` on the model and the text the arguments name."""
+    model, name = load_model_from_args(args)
+    ids, text = text_tokens(args, model)
+    return {"model": name, "text": text, **measure(model, ids)}
+
+
 def emit(args: Namespace, report: dict[str, Any], text: str) -> None:
     """Print ``report`` as JSON with ``--json``, else the human-readable ``text``."""
     if args.json:
@@ -363,6 +370,11 @@ def save_figure(fig, args: Namespace) -> str | None:
     fig.savefig(args.out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return str(args.out)
+
+
+def joined(lines: list[str], report: dict) -> str:
+    """A command's printed report: ``lines``, then the picture it wrote, if it wrote one."""
+    return "\n".join(lines + ([f"wrote {report['png']}"] if report.get("png") else []))
 
 
 def pyplot():

@@ -166,14 +166,11 @@ def render(report: dict) -> str:
         "block params = L·(12d^2 + 13d), counted on the built model; Blocks ms includes the embedding "
         "lookup, unembed ms is ln_f plus the V x d product",
     ]
-    if report.get("png"):
-        out.append(f"wrote {report['png']}")
-    return "\n".join(out)
+    return common.joined(out, report)
 
 
 def plot(report: dict, args) -> str | None:
-    plt = common.pyplot()
-    rows = report["rows"]
+    plt, rows = common.pyplot(), report["rows"]
     names = [r["stack"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(names, [r["blocks_ms"] for r in rows], label="Blocks")

@@ -129,9 +129,7 @@ def render(report: dict) -> str:
             + f"; sdpa misses up to {100 * worst:.1f}% of the FLOPs"
             + (" (the fused CPU attention kernel has no FLOP formula: it counts 0)" if worst > 0 else "")
         ]
-    if report.get("png"):
-        out.append(f"wrote {report['png']}")
-    return "\n".join(out)
+    return common.joined(out, report)
 
 
 def plot(design: Design, report: dict, args) -> str | None:

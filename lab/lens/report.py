@@ -85,14 +85,11 @@ def render(report: dict) -> str:
         "loss: next-token nats/token read out after the block; excess: over full depth; KL: "
         "KL(final || exit) in nats; top-1: share of positions whose top-1 is the final top-1",
     ]
-    if report.get("png"):
-        out.append(f"wrote {report['png']}")
-    return "\n".join(out)
+    return common.joined(out, report)
 
 
 def plot(report: dict, args) -> str | None:
-    plt = common.pyplot()
-    rows = report["rows"]
+    plt, rows = common.pyplot(), report["rows"]
     blocks = [row["block"] for row in rows]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     panels = (
