@@ -166,7 +166,8 @@ TARGET_S = 1.0
 GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 WHOLE_POST = HEADERS + b"\r\n" + BODY
 STALLED_POST = (  # headers of a 100-byte body that never comes
-    b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 100\r\n\r\n"
 )
 STREAM_BODY = json.dumps({"prompt": "Hello there", "max_new_tokens": 60, "stream": True}).encode()
 STREAMING_POST = (
@@ -226,8 +227,15 @@ class Closing:
         ([STREAMING_POST, STALLED_POST], 1),  # sent while a stream is being answered
         ([STREAMING_POST, STALLED_POST[:30]], 1),  # a part of them, while it is answered
     ],
-    ids=["reproducer", "cut-headers", "cut-request-line", "behind-two", "short-body",
-         "behind-a-stream", "cut-behind-a-stream"],  # fmt: skip
+    ids=[
+        "reproducer",
+        "cut-headers",
+        "cut-request-line",
+        "behind-two",
+        "short-body",
+        "behind-a-stream",
+        "cut-behind-a-stream",
+    ],  # fmt: skip
 )
 def test_a_request_behind_another_has_a_read_deadline(server, sends, answered):
     """The request that stalls began to arrive once the server turned to it (the answer before it is
