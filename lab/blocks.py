@@ -266,6 +266,8 @@ class BlockSet:
         if both:
             raise BlockSetError(KEYS["overwrite"], f"blocks {both} are also skipped")
         runs = len(self.blocks_to_run(n_layer))
+        if self.is_adaptive and runs == 0:
+            raise BlockSetError(KEYS["adaptive"], "needs at least one block to run")
         if self.is_adaptive and self.adaptive_min_blocks > runs:  # the set's blocks, not the model's
             raise BlockSetError(
                 KEYS["min"], f"must be at most the {runs} blocks the set runs, got {self.adaptive_min_blocks}"
