@@ -42,7 +42,7 @@ from lab.weights import locate
 from serve import http_front, openai_compat
 from serve.connections import DeadlineH11Protocol
 from serve.litserve_adapter import LitServePool
-from serve.metrics import HttpMetricsMiddleware, Metrics
+from serve.metrics import Metrics
 from serve.schema import ModelLimits
 from serve.shared import SharedState
 from serve.worker import ModelFactory, WeightsLoader, Worker
@@ -223,7 +223,7 @@ def build_app(front: http_front.Front, config: ServeConfig) -> FastAPI:
         public = frozenset({http_front.METRICS_PATH} if config.metrics_public else ())
         app.add_middleware(http_front.ApiKeyMiddleware, api_key=config.api_key, also_public=public)
     # outermost: every answer is timed, refusals included
-    app.add_middleware(HttpMetricsMiddleware, metrics=front.metrics, routes=app.routes)
+    app.add_middleware(http_front.HttpMetricsMiddleware, metrics=front.metrics, routes=app.routes)
     return app
 
 
@@ -254,7 +254,7 @@ def serve(config: ServeConfig, model_factory: ModelFactory | None = None) -> Non
         _check_default_blocks(config, server.pool.limits())
         logger.info("serving %s: %s", config.model, server.pool.model_info())
         # timed and counted as the app's own answers are
-        overloaded = HttpMetricsMiddleware(
+        overloaded = http_front.HttpMetricsMiddleware(
             http_front.Overloaded(config.max_connections, server.front.metrics),
             metrics=server.front.metrics,
             routes=server.app.routes,

@@ -20,7 +20,8 @@ server leaves open:
 paths; ``BodyLimitMiddleware`` answers 413 past ``--max-payload-bytes`` (from the Content-Length
 alone when there is one); ``Overloaded`` is the 503 past ``--max-connections``. Every refusal
 that sheds load (413, 429, 503) says so in the API's error shape, with ``Retry-After`` where coming
-back later helps, and is counted (``serve.metrics``). This module knows the workers only through
+back later helps, and is counted (``serve.metrics``); ``HttpMetricsMiddleware``, outermost, times
+every answer by route and status. This module knows the workers only through
 ``serve.pool.WorkerPool``.
 """
 
@@ -30,6 +31,7 @@ import asyncio
 import json
 import math
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +40,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lab import api_key as key_rule
@@ -153,6 +156,54 @@ class Overloaded:
         message = f"more than {self.max_connections} connections open, the most this server takes: retry"
         headers = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}
         await error_response(scope["path"], 503, message, headers)(scope, receive, send)
+
+
+class HttpMetricsMiddleware:
+    """Times every HTTP request by its route's path template, method and status.
+
+    ``routes``: the app's routes (matched here, before any other middleware, so a request refused
+    by the API key is counted under its route too). Outermost, so every answer is seen.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list):
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    def route_of(self, scope: Scope) -> str:
+        """The path template of the route ``scope`` is for (another method's too: its 405), else other."""
+        partial = "other"
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                return route.path
+            if match is Match.PARTIAL and partial == "other":
+                partial = route.path
+        return partial
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), 500  # an app that raises before answering: uvicorn's 500
+        answered = False
+
+        async def received() -> Message:
+            nonlocal status
+            message = await receive()
+            if message["type"] == "http.disconnect" and not answered:  # what the app answers, nobody reads
+                status = CLIENT_GONE
+            return message
+
+        async def seen(message: Message) -> None:
+            nonlocal status, answered
+            if message["type"] == "http.response.start" and status != CLIENT_GONE:
+                status, answered = message["status"], True
+            await send(message)
+
+        try:
+            await self.app(scope, received, seen)
+        finally:
+            elapsed = time.perf_counter() - start
+            self.metrics.http.labels(self.route_of(scope), scope["method"], str(status)).observe(elapsed)
 
 
 async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

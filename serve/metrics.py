@@ -32,14 +32,14 @@ blocklab's own, by block-set ``kind`` (``kind_of``: ``all``, ``skip``, ``exit``,
 - ``blocklab:requests_shed_total{status, reason}``: refused before running (413 ``payload``, 429
   ``in_flight``, 503 ``loading`` or ``connections``);
 - ``blocklab:http_request_duration_seconds{route, method, status}``: every HTTP request, by the
-  route's path template (``other`` for paths no route has), from its start to its last byte;
+  route's path template (``other`` for paths no route has), from its start to its last byte
+  (observed by ``serve.http_front.HttpMetricsMiddleware``);
   ``status`` 499 when the client was gone before the answer (one whose request never arrived whole
   and was closed by ``--read-timeout``, say).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from prometheus_client import (
@@ -51,8 +51,6 @@ from prometheus_client import (
     generate_latest,
 )
 from starlette.responses import Response
-from starlette.routing import Match
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lab.blocks import BlockSet
 from serve.schema import MAX_NEW_TOKENS, MAX_PROMPT_IDS, Job
@@ -223,51 +221,3 @@ class Metrics:
     def exposition(self) -> Response:
         """The registry in Prometheus' text format (what ``GET /metrics`` answers)."""
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-class HttpMetricsMiddleware:
-    """Times every HTTP request by its route's path template, method and status.
-
-    ``routes``: the app's routes (matched here, before any other middleware, so a request refused
-    by the API key is counted under its route too). Outermost, so every answer is seen.
-    """
-
-    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list):
-        self.app, self.metrics, self.routes = app, metrics, routes
-
-    def route_of(self, scope: Scope) -> str:
-        """The path template of the route ``scope`` is for (another method's too: its 405), else other."""
-        partial = "other"
-        for route in self.routes:
-            match, _ = route.matches(scope)
-            if match is Match.FULL:
-                return route.path
-            if match is Match.PARTIAL and partial == "other":
-                partial = route.path
-        return partial
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start, status = time.perf_counter(), 500  # an app that raises before answering: uvicorn's 500
-        answered = False
-
-        async def received() -> Message:
-            nonlocal status
-            message = await receive()
-            if message["type"] == "http.disconnect" and not answered:  # what the app answers, nobody reads
-                status = CLIENT_GONE
-            return message
-
-        async def seen(message: Message) -> None:
-            nonlocal status, answered
-            if message["type"] == "http.response.start" and status != CLIENT_GONE:
-                status, answered = message["status"], True
-            await send(message)
-
-        try:
-            await self.app(scope, received, seen)
-        finally:
-            elapsed = time.perf_counter() - start
-            self.metrics.http.labels(self.route_of(scope), scope["method"], str(status)).observe(elapsed)
