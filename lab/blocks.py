@@ -23,7 +23,10 @@ The grammar, the same in every place, with the rules of the ``BlockSet`` fields:
     number    adaptive: ASCII digits with an optional fraction and exponent (0.9, .5, 1e-3)
     choice    check: cosine | probe
     together  skip or keep, not both; min and check only with adaptive; exit not with adaptive;
-              k only with speculate; speculate not with exit or adaptive
+              k only with speculate; speculate not with exit or adaptive; min at most the blocks
+              the set runs (``keep=0,1;adaptive=0.9;min=3`` is refused)
+    serves    what a set cannot give a request (``Key.cannot_serve``): adaptive exit no most likely
+              token per scored position (OpenAI's ``logprobs`` 1), speculate no ``min_tokens``
     spaces    ignored around parts, keys, values and indices (' skip = 3, 4 ; exit=9'), refused inside
 
 ``KEYS`` is that grammar as a table (spec key, ``BlockSet`` field, kind, default, the ``/predict``
@@ -71,6 +74,9 @@ class Key:
     """The key it is meaningful only with."""
     excludes: tuple[str, ...] = ()
     """Keys it cannot be given with."""
+    cannot_serve: tuple[tuple[str, str], ...] = ()
+    """(option, why): what a request may ask for that a set with this key cannot give
+    (``BlockSet.cannot_serve``): the server refuses it before running it."""
 
 
 KEYS: dict[str, Key] = {
@@ -94,6 +100,8 @@ KEYS: dict[str, Key] = {
             "adaptive", "adaptive_threshold", "number", None, "adaptive",
             "Adaptive exit: stop a token once its check reaches this threshold.", "adaptive exit",
             "THRESHOLD", low=0.0, high=1.0,
+            cannot_serve=(("top_tokens", "its scoring pass gives each position's loss, not its most likely "
+                           "token"),),
         ),
         Key(
             "min", "adaptive_min_blocks", "count", 1, "adaptive_min_blocks",
@@ -108,6 +116,7 @@ KEYS: dict[str, Key] = {
             "speculate", "speculate", "count", None, None,
             "Self-speculative decoding: the blocks below this one draft, the rest verify.", "speculate",
             "BLOCK", excludes=("exit", "adaptive"),
+            cannot_serve=(("min_tokens", "drafts are drawn without it"),),
         ),
         Key(
             "k", "draft_tokens", "count", 4, None, "Tokens drafted per round when speculating.", "k",
@@ -256,6 +265,13 @@ class BlockSet:
         both = sorted(self.skip & self.overwrite)
         if both:
             raise BlockSetError(KEYS["overwrite"], f"blocks {both} are also skipped")
+        runs = len(self.blocks_to_run(n_layer))
+        if self.is_adaptive and runs == 0:
+            raise BlockSetError(KEYS["adaptive"], "needs at least one block to run")
+        if self.is_adaptive and self.adaptive_min_blocks > runs:  # the set's blocks, not the model's
+            raise BlockSetError(
+                KEYS["min"], f"must be at most the {runs} blocks the set runs, got {self.adaptive_min_blocks}"
+            )
         if self.is_speculative:
             blocks = self.blocks_to_run(n_layer)
             if not any(i < self.speculate for i in blocks) or not any(i >= self.speculate for i in blocks):
@@ -265,6 +281,15 @@ class BlockSet:
                     f"(drafting and verifying), in 1..{n_layer - 1}",
                 )
         return self
+
+    def cannot_serve(self, option: str) -> str | None:
+        """Why this set cannot give ``option`` (a name in ``Key.cannot_serve``: ``top_tokens``,
+        ``min_tokens``), or None when it can."""
+        for name in self.given():
+            for refused, why in KEYS[name].cannot_serve:
+                if refused == option:
+                    return f"not with {name} ({why})"
+        return None
 
     def blocks_to_run(self, n_layer: int) -> list[int]:
         """The block indices a fixed (non-adaptive) pass runs, in order."""

@@ -79,8 +79,9 @@ def mean_blocks(steps: list[Step]) -> float:
 
 def check_sampling(sampling: SamplingParams, block_set: BlockSet) -> None:
     """SamplingError unless ``sampling`` can be used under ``block_set``."""
-    if block_set.is_speculative and sampling.min_tokens > 0:
-        raise SamplingError("min_tokens", "not with speculate (drafts are drawn without it)")
+    refused = block_set.cannot_serve("min_tokens") if sampling.min_tokens > 0 else None
+    if refused is not None:
+        raise SamplingError("min_tokens", refused)
 
 
 class Generation:

@@ -6,8 +6,9 @@
 
 Routes: ``POST /predict`` (``serve.schema``), ``POST /v1/completions`` and ``/v1/chat/completions``
 and ``GET /v1/models`` (OpenAI-compatible, ``serve.openai_compat``), ``GET /health``, ``GET /info``,
-``GET /stats`` (counters and memory), and ``/docs`` + ``/openapi.json``. With an API key, every
-route but ``http_front.PUBLIC_PATHS`` (health and the schema) needs it.
+``GET /stats`` (counters and memory), ``GET /metrics`` (Prometheus, ``serve.metrics``), and
+``/docs`` + ``/openapi.json``. With an API key, every route but ``http_front.PUBLIC_PATHS`` (health
+and the schema; ``/metrics`` too with ``--metrics-public``) needs it.
 
 How it is put together (``build``): the worker pool first (``serve.litserve_adapter.LitServePool``,
 LitServe's worker processes running ``serve.worker.Worker``), then the HTTP front end over it
@@ -39,8 +40,9 @@ from lab.errors import UserError
 from lab.quantize import WeightDtype
 from lab.weights import locate
 from serve import http_front, openai_compat
-from serve.connections import ReadDeadlineH11Protocol
+from serve.connections import DeadlineH11Protocol
 from serve.litserve_adapter import LitServePool
+from serve.metrics import Metrics
 from serve.schema import ModelLimits
 from serve.shared import SharedState
 from serve.worker import ModelFactory, WeightsLoader, Worker
@@ -86,6 +88,9 @@ class ServeConfig:
     matrix-matrix steps with many rows, equal up to rounding."""
     max_in_flight: int = 64
     """Most requests admitted at once (queued or running); past it, 429 with Retry-After."""
+    max_prompts_per_request: int | None = None
+    """Most prompts in one /v1/completions request, each taking a slot of --max-in-flight (default:
+    a quarter of it), so one client cannot take every slot; more get 422."""
     queue_timeout: float = 30.0
     """Seconds a request may wait for a worker before it gets 504."""
     request_timeout: float = 300.0
@@ -101,7 +106,7 @@ class ServeConfig:
     keep_alive_timeout: float = 5.0
     """Seconds a connection may sit idle, new or between requests, before it is closed."""
     max_connections: int = 1024
-    """Open connections past which a request gets 503 (uvicorn's limit_concurrency)."""
+    """Open connections past which a request gets 503 with Retry-After (idle ones are closed first)."""
     backlog: int = 2048
     """Connections the kernel queues before the server accepts them."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
@@ -109,6 +114,15 @@ class ServeConfig:
     default_blocks: str | None = None
     """The block set of requests that name none, e.g. one `blocklab plan` recommended (default: all);
     checked against the model at start, reported in /info."""
+    metrics_public: bool = False
+    """Serve /metrics without the API key (for a Prometheus that cannot send one)."""
+
+    @property
+    def prompts_per_request(self) -> int:
+        """``max_prompts_per_request``, or its default: a quarter of ``max_in_flight``."""
+        if self.max_prompts_per_request is not None:
+            return self.max_prompts_per_request
+        return max(1, self.max_in_flight // 4)
 
     def check(self) -> None:
         """UserError saying what is wrong with these settings, if anything is."""
@@ -125,9 +139,14 @@ class ServeConfig:
         ):
             if not 0 < getattr(self, name) < float("inf"):
                 raise UserError(f"--{name.replace('_', '-')} must be a positive number of seconds")
-        for name in ("max_connections", "backlog"):
+        for name in ("max_connections", "backlog", "max_in_flight"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 1 <= self.prompts_per_request <= self.max_in_flight:
+            raise UserError(
+                f"--max-prompts-per-request must be in 1..--max-in-flight ({self.max_in_flight}), "
+                f"got {self.prompts_per_request}"
+            )
 
 
 def blocklab_version() -> str:
@@ -174,7 +193,11 @@ def build(config: ServeConfig, model_factory: ModelFactory | None = None) -> Ser
         worker, accelerator=accelerator, workers_per_device=config.workers, queue_timeout=config.queue_timeout
     )
     front = http_front.Front(
-        pool, request_timeout=config.request_timeout, default_blocks=config.default_blocks
+        pool,
+        request_timeout=config.request_timeout,
+        default_blocks=config.default_blocks,
+        max_prompts=config.prompts_per_request,
+        metrics=Metrics(model_name=config.model),
     )
     return Server(pool, front, build_app(front, config))
 
@@ -193,9 +216,14 @@ def build_app(front: http_front.Front, config: ServeConfig) -> FastAPI:
     server_info = {"timeout": config.queue_timeout, "max_payload_size": config.max_payload_bytes}
     http_front.register(app, front, model_name=config.model, metadata=metadata, server_info=server_info)
     openai_compat.register(app, front, model_name=config.model, responses=http_front.ERROR_RESPONSES)
-    app.add_middleware(http_front.BodyLimitMiddleware, max_bytes=config.max_payload_bytes)
-    if config.api_key is not None:  # outermost: before routing, the size limit and the body
-        app.add_middleware(http_front.ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(
+        http_front.BodyLimitMiddleware, max_bytes=config.max_payload_bytes, metrics=front.metrics
+    )
+    if config.api_key is not None:  # before routing, the size limit and the body
+        public = frozenset({http_front.METRICS_PATH} if config.metrics_public else ())
+        app.add_middleware(http_front.ApiKeyMiddleware, api_key=config.api_key, also_public=public)
+    # outermost: every answer is timed, refusals included
+    app.add_middleware(http_front.HttpMetricsMiddleware, metrics=front.metrics, routes=app.routes)
     return app
 
 
@@ -225,6 +253,12 @@ def serve(config: ServeConfig, model_factory: ModelFactory | None = None) -> Non
         server.pool.start()
         _check_default_blocks(config, server.pool.limits())
         logger.info("serving %s: %s", config.model, server.pool.model_info())
+        # timed and counted as the app's own answers are
+        overloaded = http_front.HttpMetricsMiddleware(
+            http_front.Overloaded(config.max_connections, server.front.metrics),
+            metrics=server.front.metrics,
+            routes=server.app.routes,
+        )
         uvicorn.Server(
             uvicorn.Config(
                 server.app,
@@ -233,12 +267,17 @@ def serve(config: ServeConfig, model_factory: ModelFactory | None = None) -> Non
                 log_level=config.log_level,
                 timeout_graceful_shutdown=config.drain_timeout,
                 # h11, not httptools: httptools takes headers of any size, h11 answers 400 once the
-                # request line and headers pass this many bytes; with a deadline on each request's
-                # arrival (uvicorn has none).
-                http=functools.partial(ReadDeadlineH11Protocol, read_timeout=config.read_timeout),
+                # request line and headers pass this many bytes; with a deadline on every connection
+                # (uvicorn has none for a request's arrival) and the connection limit answered in the
+                # API's own shape (serve.connections).
+                http=functools.partial(
+                    DeadlineH11Protocol,
+                    read_timeout=config.read_timeout,
+                    max_connections=config.max_connections,
+                    overloaded=overloaded,
+                ),
                 h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                 timeout_keep_alive=config.keep_alive_timeout,
-                limit_concurrency=config.max_connections,
                 backlog=config.backlog,
             )
         ).run()

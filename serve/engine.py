@@ -69,6 +69,10 @@ COUNTERS = (
 )
 """What the engine counts; the server sums each over its workers at ``GET /stats``."""
 
+TOKEN_GAPS = "token_gaps_s"
+"""The key of a done event beside its response: the seconds between its tokens, for the server's
+metrics (``serve.metrics``; the HTTP side takes it out before a client sees the event)."""
+
 Tally = Callable[[str, int], None]
 """Adds a count to one of ``COUNTERS``."""
 
@@ -165,7 +169,9 @@ class _Report:
             batch_size=self.batch_size,
             speculation=None if speculation is None else Speculation.of(speculation),
         )
-        return DoneEvent(response=response).model_dump()
+        event = DoneEvent(response=response).model_dump()
+        event[TOKEN_GAPS] = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+        return event
 
 
 class _Row:

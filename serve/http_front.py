@@ -1,7 +1,7 @@
 """The HTTP front end: the app, its routes, admission, errors and streaming, over a worker pool.
 
-``register`` puts ``POST /predict``, ``GET /health``, ``/info``, ``/stats`` and ``/`` on the app
-(``serve.app.build_app`` makes it once the pool exists; the OpenAI-compatible routes are
+``register`` puts ``POST /predict``, ``GET /health``, ``/info``, ``/stats``, ``/metrics`` and ``/`` on
+the app (``serve.app.build_app`` makes it once the pool exists; the OpenAI-compatible routes are
 ``serve.openai_compat``'s). Every model route goes through ``Front.admit``, which covers what a bare
 server leaves open:
 
@@ -17,8 +17,12 @@ server leaves open:
   a streaming one when its stream is cut.
 
 ``ApiKeyMiddleware`` refuses every request without the key before routing, except to the public
-paths; ``BodyLimitMiddleware`` answers 413 past ``--max-payload-bytes``. This module knows the
-workers only through ``serve.pool.WorkerPool``.
+paths; ``BodyLimitMiddleware`` answers 413 past ``--max-payload-bytes`` (from the Content-Length
+alone when there is one); ``Overloaded`` is the 503 past ``--max-connections``. Every refusal
+that sheds load (413, 429, 503) says so in the API's error shape, with ``Retry-After`` where coming
+back later helps, and is counted (``serve.metrics``); ``HttpMetricsMiddleware``, outermost, times
+every answer by route and status. This module knows the workers only through
+``serve.pool.WorkerPool``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import asyncio
 import json
 import math
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -35,21 +40,26 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lab import api_key as key_rule
+from serve.engine import TOKEN_GAPS
+from serve.metrics import CLIENT_GONE, Metrics
 from serve.pool import Channel, PoolFull, WorkerPool
 from serve.schema import ModelLimits, PredictRequest, PredictResponse, RequestError, error_event, resolve
 
-CLIENT_GONE = 499
-"""The status (nginx's convention) of a request whose client disconnected; nobody reads it."""
 OUTCOMES = ("done", "failed", "rejected", "timed_out", "worker_died", "cancelled")
 """How an admitted request ends: done (200), failed (500), rejected by the worker (4xx), timed_out
 (504: not taken within the queue timeout, or past the request timeout), worker_died (503), cancelled
 (the client left first)."""
 OUTCOME_OF_STATUS = {503: "worker_died", 504: "timed_out", CLIENT_GONE: "cancelled"}
 PUBLIC_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
-"""What answers without the API key: load balancers' health checks, and the schema (no secrets)."""
+"""What answers without the API key: load balancers' health checks, and the schema (no secrets).
+``/metrics`` joins them with ``blocklab serve --metrics-public``."""
+METRICS_PATH = "/metrics"
+RETRY_AFTER_S = 1
+"""What a shed request is told to wait before it comes back (``Retry-After``)."""
 ERROR_RESPONSES = {
     400: {"description": "The body is not parseable (not UTF-8, or JSON nested too deep)"},
     401: {"description": "Missing or wrong API key"},
@@ -82,24 +92,42 @@ def error_response(path: str, status: int, detail, headers: dict[str, str] | Non
 
 
 class ApiKeyMiddleware(key_rule.ApiKeyMiddleware):
-    """``lab.api_key``'s rule (401 before routing, deny by default) with ``PUBLIC_PATHS`` open and the
-    401 in the shape of the route (OpenAI's under ``/v1/``)."""
+    """``lab.api_key``'s rule (401 before routing, deny by default) with ``PUBLIC_PATHS`` (and
+    ``also_public``) open and the 401 in the shape of the route (OpenAI's under ``/v1/``)."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
-        super().__init__(app, api_key, public=PUBLIC_PATHS.__contains__, refusal=error_response)
+    def __init__(self, app: ASGIApp, api_key: str, also_public: frozenset[str] = frozenset()):
+        public = PUBLIC_PATHS | also_public
+        super().__init__(app, api_key, public=public.__contains__, refusal=error_response)
+
+
+def _content_length(scope: Scope) -> int | None:
+    """The request's Content-Length as a number (None: absent; h11 has refused a malformed one)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value)
+    return None
 
 
 class BodyLimitMiddleware:
-    """413 once a request's body passes ``max_bytes``, with a Content-Length or chunked without one:
-    counted as it arrives, so a large body is never held whole."""
+    """413 for a body over ``max_bytes``: at once from its Content-Length, before a byte of it is
+    read (the connection is then closed: the rest is not read either), or, chunked without one, once
+    the bytes counted as they arrive pass it, so a large body is never held whole."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, metrics: Metrics):
         self.app = app
         self.max_bytes = max_bytes
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        length = _content_length(scope)
+        if length is not None and length > self.max_bytes:
+            self.metrics.refused(413, "payload")
+            message = f"Payload too large: {length} bytes, the most this server takes is {self.max_bytes}"
+            response = error_response(scope["path"], 413, message, {"Connection": "close"})
+            await response(scope, receive, send)
             return
         received = 0
 
@@ -108,10 +136,74 @@ class BodyLimitMiddleware:
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.max_bytes:  # FastAPI passes an HTTPException raised here through
+                self.metrics.refused(413, "payload")
                 raise HTTPException(413, "Payload too large")
             return message
 
         await self.app(scope, counted, send)
+
+
+class Overloaded:
+    """The ASGI app that answers a request past ``--max-connections`` (``serve.connections``): 503 in
+    the API's error shape with ``Retry-After``, and the connection closed."""
+
+    def __init__(self, max_connections: int, metrics: Metrics):
+        self.max_connections = max_connections
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.metrics.refused(503, "connections")
+        message = f"more than {self.max_connections} connections open, the most this server takes: retry"
+        headers = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}
+        await error_response(scope["path"], 503, message, headers)(scope, receive, send)
+
+
+class HttpMetricsMiddleware:
+    """Times every HTTP request by its route's path template, method and status.
+
+    ``routes``: the app's routes (matched here, before any other middleware, so a request refused
+    by the API key is counted under its route too). Outermost, so every answer is seen.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list):
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    def route_of(self, scope: Scope) -> str:
+        """The path template of the route ``scope`` is for (another method's too: its 405), else other."""
+        partial = "other"
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                return route.path
+            if match is Match.PARTIAL and partial == "other":
+                partial = route.path
+        return partial
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), 500  # an app that raises before answering: uvicorn's 500
+        answered = False
+
+        async def received() -> Message:
+            nonlocal status
+            message = await receive()
+            if message["type"] == "http.disconnect" and not answered:  # what the app answers, nobody reads
+                status = CLIENT_GONE
+            return message
+
+        async def seen(message: Message) -> None:
+            nonlocal status, answered
+            if message["type"] == "http.response.start" and status != CLIENT_GONE:
+                status, answered = message["status"], True
+            await send(message)
+
+        try:
+            await self.app(scope, received, seen)
+        finally:
+            elapsed = time.perf_counter() - start
+            self.metrics.http.labels(self.route_of(scope), scope["method"], str(status)).observe(elapsed)
 
 
 async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -139,6 +231,8 @@ class Submission:
         self.front = front
         self.channel = channel
         self.outcome = "cancelled"  # until a last event says otherwise: the client left, or shutdown
+        self.last: dict | None = None  # the done or error event, once it has come
+        self.token_gaps: list[float] = []
         self._gone: asyncio.Future | None = None  # the disconnect watch, while a client is awaited
 
     async def next_event(self, client: Request | None = None) -> dict:
@@ -173,10 +267,12 @@ class Submission:
         the disconnect watch ends); returns it."""
         if event["event"] == "done":
             self.outcome = "done"
+            self.token_gaps = event.pop(TOKEN_GAPS, [])  # for the metrics only: no client sees it
         elif event["event"] == "error":
             status = event["status"]
             self.outcome = OUTCOME_OF_STATUS.get(status, "rejected" if status < 500 else "failed")
         if event["event"] in ("done", "error"):
+            self.last = event
             self.stop_watching()
         return event
 
@@ -187,6 +283,9 @@ class Submission:
         self.stop_watching()
         self.channel.close()
         self.front.ended[self.outcome] += 1
+        limits = self.front.pool.limits()  # published once, kept while a worker is replaced
+        n_layer = 0 if limits is None else limits.n_layer
+        self.front.metrics.ended(self.channel.job, self.outcome, self.last, self.token_gaps, n_layer)
 
 
 class Front:
@@ -198,11 +297,17 @@ class Front:
         *,
         request_timeout: float = math.inf,
         default_blocks: str | None = None,
-        retry_after_s: int = 1,
+        max_prompts: int = 16,
+        metrics: Metrics | None = None,
+        retry_after_s: int = RETRY_AFTER_S,
     ):
         self.pool = pool
         self.request_timeout = request_timeout
         self.default_blocks = default_blocks
+        self.max_prompts = max_prompts
+        """The most prompts (slots) one request may take (``--max-prompts-per-request``)."""
+        self.metrics = metrics or Metrics()
+        self.metrics.watch(lambda: pool.stats())
         self.retry_after_s = retry_after_s
         self.admitted = 0
         """Requests admitted so far."""
@@ -214,18 +319,21 @@ class Front:
         limits = self.pool.limits()
         return None if limits is None else replace(limits, default_blocks=self.default_blocks)
 
-    def admit(self, request: PredictRequest) -> Submission:
-        """Check, resolve and submit ``request``; HTTPException 422, 429 or 503 when it cannot be."""
+    def admit(self, request: PredictRequest, needs: frozenset[str] = frozenset()) -> Submission:
+        """Check, resolve and submit ``request``; HTTPException 422, 429 or 503 when it cannot be.
+        ``needs``: ``serve.schema.resolve``'s."""
         limits = self.limits()
         if limits is None:
+            self.metrics.refused(503, "loading")
             raise HTTPException(503, "the model is still loading", headers=self._retry_after())
         try:
-            job = resolve(request, limits, timeout=self.request_timeout)
+            job = resolve(request, limits, timeout=self.request_timeout, needs=needs)
         except RequestError as error:
             raise HTTPException(422, error.detail()) from None
         try:
             channel = self.pool.submit(job)
         except PoolFull as error:
+            self.metrics.refused(429, "in_flight")
             raise HTTPException(429, str(error), self._retry_after()) from None
         self.admitted += 1
         return Submission(self, channel)
@@ -282,8 +390,9 @@ def _rss_bytes(pid: int) -> int | None:
 
 
 def register(app: FastAPI, front: Front, *, model_name: str, metadata: dict, server_info: dict) -> None:
-    """``POST /predict``, ``GET /health``, ``/info``, ``/stats`` and ``/`` on ``app``. ``metadata`` and
-    ``server_info``: what ``/info`` reports besides the served model's shape and the pool's devices."""
+    """``POST /predict``, ``GET /health``, ``/info``, ``/stats``, ``/metrics`` and ``/`` on ``app``.
+    ``metadata`` and ``server_info``: what ``/info`` reports besides the served model's shape and the
+    pool's devices."""
     pool = front.pool
 
     async def route(request: PredictRequest, client: Request) -> Response:
@@ -319,10 +428,15 @@ def register(app: FastAPI, front: Front, *, model_name: str, metadata: dict, ser
     async def index() -> Response:
         return PlainTextResponse(f"blocklab serving {model_name}: see /docs")
 
+    async def metrics() -> Response:
+        """Prometheus' text format (``serve.metrics``)."""
+        return front.metrics.exposition()
+
     for path, endpoint, summary in [
         ("/health", health, "Whether every worker is ready"),
         ("/info", info, "The model and the server's settings"),
         ("/stats", stats, "Counters and memory"),
+        (METRICS_PATH, metrics, "Prometheus metrics"),
         ("/", index, "What this is"),
     ]:
         app.add_api_route(path, endpoint, methods=["GET"], summary=summary)

@@ -183,8 +183,11 @@ class LitServePool:
         return self.shared.model_info()
 
     def stats(self) -> dict:
+        in_flight, running = self.board.in_flight(), self.board.running()
         return {
-            "in_flight": self.board.in_flight(),
+            "in_flight": in_flight,
+            "running": running,
+            "waiting": in_flight - running,
             "max_in_flight": self.board.slots,
             **self.shared.totals(),
         }

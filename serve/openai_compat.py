@@ -116,12 +116,24 @@ class _Translation:
     """A body as ``PredictRequest``s: how each prompt is asked, and the names to say errors in."""
 
     def __init__(
-        self, body: OpenAIRequest, prompts: list[str | list[int]], max_tokens: int | None, names: dict
+        self,
+        body: OpenAIRequest,
+        prompts: list[str | list[int]],
+        max_tokens: int | None,
+        names: dict,
+        needs: frozenset[str] = frozenset(),
     ):
         self.body = body
         self.prompts = prompts
         self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-        self.names = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens", **names}
+        self.names = {
+            "prompt_ids": "prompt",
+            "max_new_tokens": "max_tokens",
+            "top_tokens": "logprobs",
+            **names,
+        }
+        self.needs = needs
+        """What the answer needs beyond the requests' own fields (``serve.schema.resolve``)."""
 
     def request(self, prompt: str | list[int], **overrides) -> PredictRequest:
         body = self.body
@@ -151,7 +163,7 @@ class _Translation:
 
     def admit(self, front: Front, request: PredictRequest) -> Submission:
         try:
-            return front.admit(request)
+            return front.admit(request, self.needs)
         except HTTPException as error:  # checked against the model: say it in the client's terms
             if error.status_code == 422 and isinstance(error.detail, list):
                 raise HTTPException(422, _in_openai_terms(error.detail, self.names)) from None
@@ -266,9 +278,7 @@ class _Route:
     ) -> list[dict]:
         """OpenAI's logprobs of each choice: the prompt's positions when ``echo`` (the first has no
         logprob), then the generated tokens', with the most likely token at each when ``top``."""
-        scores = await self._scores(translation, responses, client)
-        if top and any(score is not None and score.get("top_tokens") is None for score in scores):
-            raise refuse("logprobs", "the engine does not report the most likely tokens yet: use 0", 501)
+        scores = await self._scores(translation, responses, client)  # top tokens: admission checked it
         results = []
         for prompt, response, score in zip(translation.prompts, responses, scores, strict=True):
             prompt_ids = _prompt_ids(prompt)
@@ -381,7 +391,14 @@ def register(app: FastAPI, front: Front, *, model_name: str, responses: dict) ->
             )
         if request.logprobs is not None and request.stream:
             raise refuse("logprobs", "not with stream: ask for the whole response")
-        translation = _Translation(request, _prompts(request.prompt), request.max_tokens, {})
+        prompts = _prompts(request.prompt)
+        if len(prompts) > front.max_prompts:  # each prompt takes a slot: one client must leave some
+            raise refuse(
+                "prompt", f"at most {front.max_prompts} prompts in one request on this server "
+                f"(--max-prompts-per-request), got {len(prompts)}",
+            )  # fmt: skip
+        needs = frozenset({"top_tokens"} if request.logprobs else ())  # the most likely token per position
+        translation = _Translation(request, prompts, request.max_tokens, {}, needs)
         return await completion.respond(translation, client, bool(request.echo), request.logprobs)
 
     async def chat_completions(request: ChatCompletionRequest, client: Request) -> Response:

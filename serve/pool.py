@@ -151,6 +151,10 @@ class Switchboard:
     def in_flight(self) -> int:
         return len(self.channels)
 
+    def running(self) -> int:
+        """Jobs a worker has taken and not finished (the rest of those in flight wait for one)."""
+        return sum(channel.worker is not None and not channel.finished for channel in self.channels.values())
+
 
 class WorkerPool(Protocol):
     """The worker processes behind the HTTP side: what ``serve.http_front`` may ask of them."""
@@ -177,7 +181,8 @@ class WorkerPool(Protocol):
         """The served model's depth, context length, vocabulary, parameters, exit probe."""
 
     def stats(self) -> dict:
-        """Jobs in flight and the workers' counters (``serve.engine.COUNTERS``), summed."""
+        """Jobs ``in_flight`` (``running`` on a worker, ``waiting`` for one) and the workers'
+        counters (``serve.engine.COUNTERS``), summed."""
 
     def describe(self) -> dict:
         """The pool's configuration, for ``/info``."""

@@ -214,13 +214,20 @@ def resolve(
     *,
     submitted_at: float | None = None,
     timeout: float = math.inf,
+    needs: frozenset[str] = frozenset(),
 ) -> Job:
     """Tokenise the prompt and check the request against the model: its ``Job``, admitted at
-    ``submitted_at`` (default: now) to end within ``timeout`` seconds; RequestError names the field."""
+    ``submitted_at`` (default: now) to end within ``timeout`` seconds; RequestError names the field.
+    ``needs``: what the caller will ask of the result besides the request's own fields
+    (``lab.blocks.Key.cannot_serve``'s options), refused under a block set that cannot give it."""
     block_set = resolve_block_set(request, limits.n_layer, limits.default_blocks)
     if block_set.adaptive_check == "probe" and not limits.exit_probe:
         field = "blocks" if request.blocks is not None else KEYS["check"].request
         raise RequestError(field, "check=probe needs an exit probe (lab.exit_probe); this model has none")
+    for option in sorted(needs):
+        refused = block_set.cannot_serve(option)
+        if refused is not None:
+            raise RequestError(option, refused)
     if request.prompt_ids is not None:
         prompt_tokens = list(request.prompt_ids)
     else:

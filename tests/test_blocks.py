@@ -77,6 +77,10 @@ def test_blocks_to_run():
         ("adaptive=0", "'adaptive=0': must be in (0, 1]"),
         ("adaptive=0.9;exit=3", "'exit=3': cannot be combined with adaptive exit"),
         ("adaptive=0.9;min=20", "'min=20': must be in 1..12"),
+        # min counts the blocks the set runs, not the model's (issue #20: 11 of 12 skipped, min=2)
+        ("keep=11;adaptive=0.5;min=2", "'min=2': must be at most the 1 blocks the set runs"),
+        ("keep=0,5,6;adaptive=0.9;min=4", "'min=4': must be at most the 3 blocks the set runs"),
+        ("skip=0,1,2,3,4,5,6,7,8,9,10,11;adaptive=0.9", "'adaptive=0.9': needs at least one block to run"),
     ],
 )
 def test_malformed_specs_name_the_part(spec, message):
@@ -93,6 +97,16 @@ def test_the_fields_follow_the_same_rules():
         BlockSet(adaptive_min_blocks=3).validate(N_LAYER)
     with pytest.raises(ValueError, match="adaptive_check: only with adaptive"):
         BlockSet(adaptive_check="probe").validate(N_LAYER)
+
+
+def test_what_a_set_cannot_serve_comes_from_the_table():
+    assert BlockSet.parse("adaptive=0.9", N_LAYER).cannot_serve("top_tokens") == (
+        "not with adaptive (its scoring pass gives each position's loss, not its most likely token)"
+    )
+    assert BlockSet.parse("speculate=6", N_LAYER).cannot_serve("min_tokens").startswith("not with speculate")
+    for spec in ("all", "skip=3", "exit=6", "speculate=6;k=2"):
+        assert BlockSet.parse(spec, N_LAYER).cannot_serve("top_tokens") is None
+    assert BlockSet.parse("adaptive=0.9;min=12", N_LAYER).adaptive_min_blocks == 12  # all 12 run
 
 
 def test_adaptive_round_trip():
@@ -112,13 +126,14 @@ def valid_block_sets(draw) -> BlockSet:
     """A BlockSet from valid field values (any n_layer-block model accepts it)."""
     skip = draw(INDICES)
     overwrite = draw(INDICES) - skip
-    if draw(st.booleans()):
+    runs = N_LAYER - len(skip)
+    if runs and draw(st.booleans()):  # adaptive needs a block to run, and min at most the blocks it runs
         threshold = draw(st.floats(0.0, 1.0, exclude_min=True))
         return BlockSet(
             skip=skip,
             overwrite=overwrite,
             adaptive_threshold=threshold,
-            adaptive_min_blocks=draw(st.integers(1, N_LAYER)),
+            adaptive_min_blocks=draw(st.integers(1, runs)),
             adaptive_check=draw(st.sampled_from(["cosine", "probe"])),
         )
     return BlockSet(skip=skip, overwrite=overwrite, exit_at=draw(st.none() | st.integers(1, N_LAYER)))

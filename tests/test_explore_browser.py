@@ -27,7 +27,7 @@ import pytest
 from test_explore import Commands, save_tiny_model, write_text
 
 from lab.analysis.common import fmt
-from lab.plan import Point, frontier
+from lab.plan import Point, cheapest
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -340,7 +340,7 @@ def test_the_frontier_of_a_traffic_json_with_intervals_and_of_a_plan_json(page, 
     assert len(d.find_elements("css selector", "#frontier-body .error-bar")) == 2 * 3  # x and y, for 3 sets
     screenshot(page, "frontier")
 
-    # a plan.json: its points and the frontier blocklab plan chose (lab.plan.frontier), no intervals
+    # a plan.json: its points and the frontier blocklab plan chose (lab.plan.cheapest), no intervals
     points = [
         Point("all", 0, "all", 3.0, 0.0, 10.0),
         Point("single", 1, "skip=1", 3.1, 0.1, 8.0),
@@ -350,7 +350,7 @@ def test_the_frontier_of_a_traffic_json_with_intervals_and_of_a_plan_json(page, 
     plan = {
         "all": asdict(points[0]),
         "methods": {"single": [asdict(points[1]), asdict(points[3])], "bi": [asdict(points[2])]},
-        "frontier": [asdict(p) for p in frontier(points)],
+        "frontier": [asdict(p) for p in cheapest(points)],
     }
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     find(d, "#json-file").send_keys(str(tmp_path / "plan.json"))

@@ -43,10 +43,13 @@ def connect(server: ServerProcess) -> socket.socket:
 
 
 def is_closed(sock: socket.socket) -> bool:
-    """Whether the server closed ``sock`` (end of stream or reset); False while it stays open."""
+    """Whether the server closed ``sock`` (end of stream or reset, past any answer it sent first);
+    False while it stays open."""
     sock.settimeout(0)
     try:
-        return sock.recv(65536) == b""
+        while sock.recv(65536):
+            pass
+        return True
     except BlockingIOError:
         return False
     except ConnectionResetError:
@@ -154,3 +157,196 @@ def test_idle_sockets_past_the_connection_limit_are_refused_then_closed(server):
     finally:
         for sock in idle:
             sock.close()
+
+
+# -- Every byte ordering: a request that arrives behind another, or split anywhere ------------------
+
+TARGET_S = 1.0
+"""How long past its read timeout a stalled connection may stay open (issue #20's target)."""
+GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+WHOLE_POST = HEADERS + b"\r\n" + BODY
+STALLED_POST = (  # headers of a 100-byte body that never comes
+    b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 100\r\n\r\n"
+)
+STREAM_BODY = json.dumps({"prompt": "Hello there", "max_new_tokens": 60, "stream": True}).encode()
+STREAMING_POST = (
+    b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(STREAM_BODY), STREAM_BODY)
+)
+
+
+def read_responses(sock: socket.socket, count: int, timeout_s: float = 10.0) -> list[int]:
+    """The statuses of the next ``count`` responses on ``sock``, each read to the end of its
+    Content-Length (one reader for all: pipelined answers come back to back)."""
+    sock.settimeout(timeout_s)
+    reader = sock.makefile("rb")
+    statuses = []
+    for _ in range(count):
+        statuses.append(int(reader.readline().split()[1]))
+        length = 0
+        while (line := reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        reader.read(length)
+    return statuses
+
+
+class Closing:
+    """Watches ``sock`` from ``started`` on, in a thread, for the server to close it: ``after()`` is
+    the seconds that took, asserted at most the read timeout + ``TARGET_S``."""
+
+    def __init__(self, sock: socket.socket, started: float, read_timeout: float = READ_TIMEOUT):
+        self.sock, self.started, self.limit = sock, started, read_timeout + TARGET_S
+        self.closed_at: float | None = None
+        self.thread = threading.Thread(target=self._watch)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while time.monotonic() - self.started < self.limit:
+            if is_closed(self.sock):
+                self.closed_at = time.monotonic()
+                return
+            time.sleep(0.02)
+
+    def after(self) -> float:
+        self.thread.join()
+        assert self.closed_at is not None, f"still open {self.limit:g} s after its request began to arrive"
+        return self.closed_at - self.started
+
+
+@pytest.mark.parametrize(
+    ("sends", "answered"),
+    [
+        ([GET_HEALTH + STALLED_POST], 1),  # issue #20's lockout reproducer, on one connection
+        ([GET_HEALTH + STALLED_POST[:40]], 1),  # headers cut in the middle
+        ([GET_HEALTH + b"POS"], 1),  # the request line cut
+        ([GET_HEALTH + GET_HEALTH + STALLED_POST], 2),  # behind two
+        ([WHOLE_POST + HEADERS + b"\r\n" + BODY[:10]], 1),  # a body short of its length, behind a POST
+        ([STREAMING_POST, STALLED_POST], 1),  # sent while a stream is being answered
+        ([STREAMING_POST, STALLED_POST[:30]], 1),  # a part of them, while it is answered
+    ],
+    ids=[
+        "reproducer",
+        "cut-headers",
+        "cut-request-line",
+        "behind-two",
+        "short-body",
+        "behind-a-stream",
+        "cut-behind-a-stream",
+    ],  # fmt: skip
+)
+def test_a_request_behind_another_has_a_read_deadline(server, sends, answered):
+    """The request that stalls began to arrive once the server turned to it (the answer before it is
+    complete): from then, closed within the read timeout + 1 s; a normal client is served meanwhile."""
+    sock = connect(server)
+    try:
+        sock.sendall(sends[0])
+        if len(sends) > 1:  # the first answer has started: the rest arrives while it is written
+            assert sock.recv(12).startswith(b"HTTP/1.1 200")
+            sock.sendall(sends[1])
+            reader = sock.makefile("rb")
+            while reader.readline() not in (b"0\r\n", b""):  # to the stream's last chunk
+                pass
+            reader.readline()
+            statuses = [200]
+        else:
+            statuses = read_responses(sock, answered)
+        closing = Closing(sock, time.monotonic())
+        latencies = normal_requests_while(lambda: closing.thread.is_alive(), server)
+        closed_after = closing.after()
+    finally:
+        sock.close()
+    assert statuses == [200] * answered
+    assert closed_after >= READ_TIMEOUT - 0.2, f"closed after {closed_after:.2f} s, before its deadline"
+    assert max(latencies) < 1.0, f"the normal client waited {max(latencies):.2f} s"
+
+
+def test_a_request_split_anywhere_is_timed_from_its_first_byte(server):
+    """Headers in three parts, then no body: the deadline runs from the first part, not the last."""
+    sock = connect(server)
+    try:
+        sock.sendall(STALLED_POST[:10])
+        closing = Closing(sock, time.monotonic())
+        for part in (STALLED_POST[10:50], STALLED_POST[50:]):
+            time.sleep(0.4)
+            sock.sendall(part)
+        closed_after = closing.after()
+    finally:
+        sock.close()
+    assert closed_after >= READ_TIMEOUT - 0.1
+
+
+# -- The lockout: stalled requests behind others, more of them than the server takes connections ----
+
+LOCKOUT_ARGS = ["--max-connections", "16", "--read-timeout", "2", "--keep-alive-timeout", "1"]
+LOCKOUT_READ_TIMEOUT = 2.0
+
+
+def answer_of(client: httpx.Client) -> tuple[float, httpx.Response]:
+    start = time.monotonic()
+    response = client.post("/predict", content=BODY, headers={"Content-Type": "application/json"})
+    return time.monotonic() - start, response
+
+
+def test_stalled_connections_past_the_limit_do_not_lock_new_requests_out():
+    """Issue #20's reproducer on 20 connections against --max-connections 16: every new request is
+    answered at once (200, or the API's 503 with Retry-After while the limit is reached), the stalled
+    connections are closed within the read timeout + 1 s, and then new requests are served."""
+    with ServerProcess(LOCKOUT_ARGS, model_factory=TinyModel()) as server:
+        attackers = [connect(server) for _ in range(20)]
+        started = time.monotonic()
+        for sock in attackers:
+            sock.sendall(GET_HEALTH + STALLED_POST)
+        answers = []
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            while time.monotonic() - started < LOCKOUT_READ_TIMEOUT + TARGET_S:
+                answers.append((time.monotonic() - started, *answer_of(client)))
+                time.sleep(0.05)
+            open_after = [sock for sock in attackers if not is_closed(sock)]
+            for sock in attackers:
+                sock.close()
+            waited, last = answer_of(client)
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert not open_after, f"{len(open_after)} of 20 stalled connections open after the read timeout + 1 s"
+    assert last.status_code == 200 and waited < 1.0
+    for at, waited, response in answers:
+        assert waited < 1.0, f"a new request {at:.1f} s into the attack waited {waited:.2f} s"
+        assert response.status_code in (200, 503), response.text
+        if response.status_code == 503:  # shed with instructions, in the API's error shape
+            assert response.headers["retry-after"] == "1"
+            assert "connections" in response.json()["detail"]
+    assert answers[-1][2].status_code == 200, "still refused once the stalled connections were closed"
+    assert 'blocklab:requests_shed_total{reason="connections",status="503"}' in metrics
+
+
+def test_shutdown_drains_whole_requests_and_does_not_wait_on_stalled_ones():
+    """SIGTERM with one request in flight and stalled connections of every kind (no request, cut
+    headers, a body that never comes, behind a response): the request in flight gets its whole
+    answer and the server exits once it has, long before the read timeout or the drain timeout."""
+    slow = TinyModel(step_s=0.05)  # 30 tokens: about 1.5 s
+    args = ["--read-timeout", "60", "--keep-alive-timeout", "60", "--drain-timeout", "60"]
+    server = ServerProcess(args, model_factory=slow).start()
+    try:
+        stalled = [connect(server) for _ in range(4)]
+        stalled[1].sendall(STALLED_POST[:30])
+        stalled[2].sendall(STALLED_POST)
+        stalled[3].sendall(GET_HEALTH + STALLED_POST)
+        body = {"prompt": "Hello there", "max_new_tokens": 30, "ignore_eos": True}
+        result = {}
+        in_flight = threading.Thread(
+            target=lambda: result.update(response=httpx.post(server.url + "/predict", json=body, timeout=30))
+        )
+        in_flight.start()
+        time.sleep(0.5)  # admitted and running
+        start = time.monotonic()
+        returncode = server.stop(timeout=20)
+        stopped_after = time.monotonic() - start
+        in_flight.join()
+    finally:
+        server.stop()
+        server.log_path.unlink()
+    assert returncode == 0
+    assert result["response"].status_code == 200 and len(result["response"].json()["tokens"]) == 30
+    assert stopped_after < 15, f"shutdown took {stopped_after:.1f} s: it waited on a stalled connection"
