@@ -41,7 +41,7 @@ from lab.weights import locate
 from serve import http_front, openai_compat
 from serve.connections import ReadDeadlineH11Protocol
 from serve.litserve_adapter import LitServePool
-from serve.schema import ModelLimits
+from serve.schema import ModelLimits, missing_lens
 from serve.shared import SharedState
 from serve.worker import ModelFactory, WeightsLoader, Worker
 
@@ -174,8 +174,9 @@ def build(config: ServeConfig, model_factory: ModelFactory | None = None) -> Ser
         worker, accelerator=accelerator, workers_per_device=config.workers, queue_timeout=config.queue_timeout
     )
     front = http_front.Front(
-        pool, request_timeout=config.request_timeout, default_blocks=config.default_blocks
-    )
+        pool, request_timeout=config.request_timeout, default_blocks=config.default_blocks,
+        model_name=config.model,
+    )  # fmt: skip
     return Server(pool, front, build_app(front, config))
 
 
@@ -209,6 +210,9 @@ def _check_default_blocks(config: ServeConfig, limits: ModelLimits) -> None:
         raise RuntimeError(f"--default-blocks {config.default_blocks}: {error}") from None
     if default.adaptive_check == "probe" and not limits.exit_probe:
         raise RuntimeError(f"--default-blocks {config.default_blocks}: check=probe needs an exit probe")
+    if default.lens == "tuned" and not limits.tuned_lens:
+        limits = replace(limits, model_name=config.model)
+        raise RuntimeError(f"--default-blocks {config.default_blocks}: {missing_lens(limits)}")
 
 
 def _interrupt(signum, frame) -> None:

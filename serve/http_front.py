@@ -199,10 +199,12 @@ class Front:
         request_timeout: float = math.inf,
         default_blocks: str | None = None,
         retry_after_s: int = 1,
+        model_name: str = "MODEL",
     ):
         self.pool = pool
         self.request_timeout = request_timeout
         self.default_blocks = default_blocks
+        self.model_name = model_name  # as --model named it: errors say what to run for it
         self.retry_after_s = retry_after_s
         self.admitted = 0
         """Requests admitted so far."""
@@ -212,7 +214,9 @@ class Front:
 
     def limits(self) -> ModelLimits | None:
         limits = self.pool.limits()
-        return None if limits is None else replace(limits, default_blocks=self.default_blocks)
+        if limits is None:
+            return None
+        return replace(limits, default_blocks=self.default_blocks, model_name=self.model_name)
 
     def admit(self, request: PredictRequest) -> Submission:
         """Check, resolve and submit ``request``; HTTPException 422, 429 or 503 when it cannot be."""
