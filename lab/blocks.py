@@ -13,6 +13,8 @@ A spec string names a block set on the command line, in the server and in the tr
     speculate=6         self-speculative decoding: blocks 0..5 draft, the rest verify; the output is
                         the set's own (see lab.speculate.Speculator)
     speculate=6;k=3     ... drafting 3 tokens a round
+    exit=6;lens=tuned   read out through the tuned lens's translator of the exit block (lab.lens):
+                        also adaptive=...;lens=tuned, and speculate=6;lens=tuned (the drafts)
 
 The grammar, the same in every place, with the rules of the ``BlockSet`` fields:
 
@@ -21,7 +23,7 @@ The grammar, the same in every place, with the rules of the ``BlockSet`` fields:
               index ASCII digits only (no sign, '_' or other scripts' digits)
     count     exit, min, speculate, k: ASCII digits only
     number    adaptive: ASCII digits with an optional fraction and exponent (0.9, .5, 1e-3)
-    choice    check: cosine | probe
+    choice    check: cosine | probe; lens: logit | tuned
     together  skip or keep, not both; min and check only with adaptive; exit not with adaptive;
               k only with speculate; speculate not with exit or adaptive; min at most the blocks
               the set runs (``keep=0,1;adaptive=0.9;min=3`` is refused)
@@ -122,6 +124,11 @@ KEYS: dict[str, Key] = {
             "k", "draft_tokens", "count", 4, None, "Tokens drafted per round when speculating.", "k",
             low=1, high=16, needs="speculate",
         ),
+        Key(
+            "lens", "lens", "choice", "logit", "lens",
+            "The read-out at an exit (exit, adaptive, a draft): logit (as is) or tuned (the model's "
+            "tuned-lens translator of the exit block first).", "lens", choices=("logit", "tuned"),
+        ),
     )
 }  # fmt: skip
 """The grammar's keys, in the order ``str()`` writes them."""
@@ -211,6 +218,10 @@ class BlockSet:
     ln_f and the unembedding), the rest verify them in one pass. None: off. The tokens are the set's."""
     draft_tokens: int = KEYS["k"].default
     """Tokens drafted per round when speculating."""
+    lens: str = KEYS["lens"].default
+    """How a stream that leaves before the last block is read out: 'logit' (``ln_f`` and the
+    unembedding, as is) or 'tuned' (first the model's tuned-lens translator of the last block it ran,
+    ``lab.lens``): an exit, an adaptive exit, a speculation's drafts; the final block has none."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "skip", frozenset(self.skip))

@@ -59,4 +59,3 @@ def held_out_snippets(count: int, seed: int = 0) -> list[str]:
         if 80 <= len(piece.strip()) <= 2000
     ]
     return random.Random(seed).sample(pieces, min(count, len(pieces)))
-

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from lab.blocks import BlockSet
 from lab.errors import UserError
 from lab.exit_probe import check_fits
+from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
 from lab.model import GPT, Block, KVCache, Linear, extend_cache
 
 
@@ -101,6 +102,7 @@ class Decoder:
         self.cfg = model.config
         self.block_set = (block_set or BlockSet()).validate(self.cfg.n_layer)
         require_exit_probe(model, self.block_set)
+        self.lens = require_tuned_lens(model, self.block_set)  # None: exits read out as they are
         self.blocks = self.block_set.blocks_to_run(self.cfg.n_layer)
         self.runs = frozenset(self.blocks)
         weight = model.wte.weight
@@ -129,7 +131,16 @@ class Decoder:
     @torch.inference_mode()
     def prefill(self, tokens: list[int]) -> torch.Tensor:
         """``extend`` by the prompt; the logits [V] after its last token (the only position read out)."""
-        return self.model.unembed(self.extend(tokens)[None, -1:])[0, -1]  # [V]
+        return self.read_out(self.extend(tokens)[None, -1:])[0, -1]  # [V]
+
+    def read_out(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [1, T, V] of streams x [1, T, D] that left every block of the prefill's set (through
+        the tuned lens's translator of its last block under lens=tuned)."""
+        return self.model.unembed(translate_exits(self.lens, x, [self.exit_translator(len(self.blocks))]))
+
+    def exit_translator(self, ran: int) -> int | None:
+        """The translator that reads this decoder's stream after its first ``ran`` blocks (None: none)."""
+        return exit_translator(self.lens, self.blocks[:ran])
 
     def step(self, token: int) -> tuple[torch.Tensor, list[int]]:
         """Feed one token; the logits [V] for the next one and the blocks that ran."""
@@ -148,8 +159,9 @@ def decode_rows(
     the rows whose set includes it (the others' streams pass through); an ``exit`` row stops at its
     block and is read out there; ``overwrite`` applies per row; an adaptive row stops once its check
     passes, and its deeper blocks get this position's keys and values from its exit state
-    (``propagate_kv``). Under ``lab.model.rows_alone`` a row's logits are bit for bit those it gets
-    alone.
+    (``propagate_kv``); a ``lens=tuned`` row that left early is read out through the translator of
+    its last block (``lab.lens.translator.translate_exits``: one D x D product, at the read-out only).
+    Under ``lab.model.rows_alone`` a row's logits are bit for bit those it gets alone.
     """
     device = model.wte.weight.device
     B = len(decoders)
@@ -191,7 +203,8 @@ def decode_rows(
     for b, decoder in enumerate(decoders):
         for i in decoder.blocks[ran[b] :]:  # exited early: deeper blocks still need this position's K/V
             propagate_kv(model.blocks[i], x[b : b + 1], decoder.cache.layer(i), positions[b])
-    logits = model.unembed(x)[:, -1]  # [B, V]
+    exits = [decoder.exit_translator(ran[b]) for b, decoder in enumerate(decoders)]  # lens=tuned rows
+    logits = model.unembed(translate_exits(model.tuned_lens, x, exits))[:, -1]  # [B, V]
     for b, decoder in enumerate(decoders):  # last: a step that raised can be run again as it was
         decoder.cache.length = positions[b] + 1
     return logits, [decoder.blocks[: ran[b]] for b, decoder in enumerate(decoders)]

@@ -35,6 +35,7 @@ from lab import tokens
 from lab.blocks import BlockSet
 from lab.decode import Decoder, decode_rows, exit_score, require_exit_probe
 from lab.errors import UserError
+from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
 from lab.model import GPT
 from lab.quantize import WeightDtype
 from lab.sampling import GREEDY, FinishReason, SamplingError, SamplingParams, pick_token, seeded_generator
@@ -261,6 +262,7 @@ def adaptive_forward(
         raise ValueError(f"adaptive_forward: batch size 1 only, got {B}")
     block_set = block_set.validate(model.config.n_layer)
     require_exit_probe(model, block_set)
+    lens = require_tuned_lens(model, block_set)
     blocks = block_set.blocks_to_run(model.config.n_layer)
     x = model.embed_tokens(idx)  # [1, T, D]
     active = torch.ones(T, dtype=torch.bool, device=idx.device)  # [T] still going deeper
@@ -285,7 +287,9 @@ def adaptive_forward(
 
     keep = lambda i: active[None, :, None]  # [1, T, 1]
     x = model.run_blocks(x, blocks, overwrite=block_set.overwrite, keep=keep, after=check)  # [1, T, D]
-    return model.unembed(x), [blocks[:d] for d in depth.tolist()]
+    per_position = [blocks[:d] for d in depth.tolist()]
+    exits = [exit_translator(lens, blocks_ran) for blocks_ran in per_position]  # lens=tuned: each its own
+    return model.unembed(translate_exits(lens, x[0], exits)[None]), per_position
 
 
 @torch.inference_mode()
@@ -300,7 +304,10 @@ def score(model: GPT, ids: list[int], block_set: BlockSet | None = None) -> Scor
     if block_set.is_adaptive:
         logits, per_token = adaptive_forward(model, idx[:, :-1], block_set)
     else:
-        logits, per_token = model(idx[:, :-1], block_set=block_set), [blocks] * (len(ids) - 1)
+        lens = require_tuned_lens(model, block_set)
+        x = model.residual_stream(idx[:, :-1], block_set=block_set)  # [1, T, D]
+        logits = model.unembed(translate_exits(lens, x, [exit_translator(lens, blocks)]))  # [1, T, V]
+        per_token = [blocks] * (len(ids) - 1)
     blocks_per_token = [len(ran) for ran in per_token]
     losses = F.cross_entropy(logits[0].float(), idx[0, 1:], reduction="none")  # [T]
     return Score(

@@ -22,6 +22,7 @@ from lab.blocks import BlockSet
 from lab.errors import UserError
 from lab.generate import score
 from lab.hooks import capture
+from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
 from lab.model import GPT
 
 BATCH_TOKENS = 512
@@ -121,7 +122,8 @@ class LossMeter:
 
     Fixed sets run batched. The stream entering every block under all blocks is kept (within
     ``CACHE_BYTES``), so a set starts at its first skipped block or its exit: the blocks before it
-    would compute the same stream again. Adaptive sets decide per token, so they run window by window
+    would compute the same stream again; a ``lens=tuned`` set reads its exit through the model's tuned
+    lens (``lab.lens.translator``). Adaptive sets decide per token, so they run window by window
     through ``lab.generate.score``. The read-out uses the token table's distinct rows, each counted as
     often as it repeats: exact, and for a model whose never-seen tokens share one row (the builtin models,
     docs/analysis.md) it skips most of the unembedding, the bulk of a narrow model's work.
@@ -182,6 +184,8 @@ class LossMeter:
         model, L = self.model, self.model.config.n_layer
         top = L if block_set.exit_at is None else block_set.exit_at
         first = min([*block_set.skip, *block_set.overwrite, top])  # the first block that differs
+        lens = require_tuned_lens(model, block_set)
+        exit_block = exit_translator(lens, block_set.blocks_to_run(L))  # lens=tuned: read through it
         total = 0.0
         for b, idx in enumerate(self.batches):
             if self.cached is None:
@@ -190,6 +194,7 @@ class LossMeter:
                 x = self.cached[b][first]  # [B, T, D]
                 for i in [i for i in block_set.blocks_to_run(L) if i >= first]:
                     x = model.blocks[i](x, overwrite=i in block_set.overwrite)
+            x = translate_exits(lens, x, [exit_block] * len(x))  # [B, T, D]
             total += float(self.token_losses(x, idx[:, 1:]).double().sum())
         return total
 

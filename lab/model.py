@@ -334,6 +334,7 @@ class GPT(nn.Module):
         self.logit_bias: torch.Tensor | None  # [V], added to every read-out
         self.register_buffer("logit_bias", torch.zeros(cfg.vocab_size) if cfg.logit_bias else None)
         self.exit_probe = None  # lab.exit_probe.ExitProbe: adaptive exit's learned check, fitted per model
+        self.tuned_lens = None  # lab.lens.TunedLens: the translators lens=tuned exits read through
         self.apply(self._init_weights)
         if cfg.norm == "deepnorm":
             for block in self.blocks:

@@ -12,6 +12,8 @@ For k = 1..K blocks dropped, each method proposes a block set:
               closest in angle, arccos(cos(x_l, x_l+k)) / pi (averaged over tokens, not the last only)
     greedy    SLEB (Song et al. 2024): skip the block whose removal costs least, re-measure, repeat
     exit      run blocks 0..L-k-1 and read out there (exit=L-k)
+    tuned     with the model's tuned lens (lab.lens), the same exits read out through the translator
+              of block L-k-1 (exit=L-k;lens=tuned)
     adaptive  with the model's exit probe, a few thresholds (adaptive=T;check=probe), where k is the
               mean number of blocks a token did not run
 
@@ -88,6 +90,8 @@ def choose(model: GPT, meter: LossMeter, max_drop: int) -> tuple[dict[str, list[
         dropped.append(min(rest, key=lambda i: meter(skip([*dropped, i]))))
         chosen["greedy"].append(skip(dropped))
         chosen["exit"].append(BlockSet(exit_at=L - k))
+    if model.tuned_lens is not None:
+        chosen["tuned"] = [BlockSet(exit_at=L - k, lens="tuned") for k in range(1, max_drop + 1)]
     if model.exit_probe is not None:
         chosen["adaptive"] = [
             BlockSet(adaptive_threshold=t, adaptive_check="probe") for t in ADAPTIVE_THRESHOLDS
@@ -328,7 +332,8 @@ def plot(report: dict, path: Path) -> None:
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    markers = dict(zip(["single", "bi", "angular", "greedy", "exit", "adaptive"], "osD^vP", strict=True))
+    methods = ["single", "bi", "angular", "greedy", "exit", "tuned", "adaptive"]
+    markers = dict(zip(methods, "osD^v<P", strict=True))
     ax.scatter([report["all"]["ms_per_token"]], [0.0], marker="*", s=120, color="k", label="all", zorder=3)
     for method, group in report["methods"].items():
         timed = [p for p in group if p["ms_per_token"] is not None]

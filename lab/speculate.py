@@ -1,7 +1,9 @@
 """Self-speculative decoding of one sequence (LayerSkip, Elhoushi et al. 2024): ``speculate=E`` sets.
 
 Each round the set's blocks below ``speculate`` draft up to ``draft_tokens`` tokens one at a time,
-read out through ``ln_f`` and the unembedding; the remaining blocks then verify every drafted
+read out through ``ln_f`` and the unembedding (under ``lens=tuned``, after the tuned lens's translator
+of the last drafting block: a better guess of the full set's token for one D x D product); the
+remaining blocks then verify every drafted
 position in one pass, continuing the draft's streams and keys and values (the first blocks never
 run twice). Greedy: the drafts up to the first the full model disagrees with, then the full model's
 token there (or after the last draft). Sampling: speculative sampling's rule (accept a draft d with
@@ -18,6 +20,7 @@ import torch
 
 from lab.blocks import BlockSet
 from lab.decode import Decoder
+from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
 from lab.model import GPT
 from lab.sampling import SamplingParams, pick_token, token_probabilities
 
@@ -46,6 +49,8 @@ class Speculator:
         self.decoder = Decoder(model, block_set.without_speculation(), max_len=max_len)
         self.draft_blocks = [i for i in self.decoder.blocks if i < block_set.speculate]
         self.verify_blocks = [i for i in self.decoder.blocks if i >= block_set.speculate]
+        self.lens = require_tuned_lens(model, block_set)  # the drafts' read-out (None: the logit lens)
+        self.draft_exit = [exit_translator(self.lens, self.draft_blocks)]
         self.overwrite = block_set.overwrite
         self.stats = SpeculationStats()
 
@@ -88,7 +93,8 @@ class Speculator:
             streams.append(self._through(self.draft_blocks, x, start + j))
             if j == k:
                 break
-            logits = self.model.unembed(streams[-1])[0, -1].float()  # [V]: the draft's read-out
+            read = translate_exits(self.lens, streams[-1], self.draft_exit)  # [1, 1, D]
+            logits = self.model.unembed(read)[0, -1].float()  # [V]: the draft's read-out
             if sampling.temperature == 0.0:
                 token = int(logits.argmax())
             else:

@@ -426,7 +426,8 @@ def load_model(
 
     ``dtype``: one of ``lab.quantize.WEIGHT_DTYPES`` (``float32``, ``bfloat16``, ``float16``, or
     ``int8`` / ``int4``: weight-only quantized, CPU only), or a torch floating dtype.
-    ``attention``: 'eager' | 'sdpa' override.
+    ``attention``: 'eager' | 'sdpa' override. The model's tuned lens, where one was fitted to it
+    (``lab.lens.home``), comes with it as ``model.tuned_lens``.
     """
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
     if name not in WEIGHT_DTYPES:
@@ -436,7 +437,11 @@ def load_model(
         raise UserError(f"dtype {name}: weight-only quantization runs on the CPU, not {device}")
     # quantized weights are made from bf16 ones, the activations' dtype
     model = _load(spec, torch.bfloat16 if quantized else getattr(torch, name), device, attention)
-    return quantize(model, name) if quantized else model
+    model = quantize(model, name) if quantized else model
+    from lab.lens.home import attach_tuned_lens  # here: lab.lens.home finds a lens by lab.weights' paths
+
+    attach_tuned_lens(spec, model)  # a tuned lens fitted to it, for lens=tuned block sets (or None)
+    return model
 
 
 def _load(spec: str, dtype: torch.dtype, device: torch.device | str, attention: str | None) -> GPT:

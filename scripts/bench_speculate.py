@@ -1,8 +1,10 @@
 """Self-speculative decoding at batch 1: tokens per second against full-depth decoding, per draft
-exit E and draft length K, with the acceptance rate, and whether the greedy tokens are the same.
+exit E, draft length K and draft read-out (the logit lens, or the model's tuned lens: ``lens=tuned``),
+with the acceptance rate, and whether the greedy tokens are the same.
 
-    python scripts/bench_speculate.py --model builtin
+    python scripts/bench_speculate.py --model builtin        # both read-outs where a lens is fitted
     python scripts/bench_speculate.py --model builtin --exits 2 4 6 --drafts 2 4 --prompts 10 --json
+    python scripts/bench_speculate.py --model builtin --lenses tuned --exits 3 4 --drafts 3 4
 
 Prompts are held-out standard library source (``lab.corpora``), the text the builtin model was not
 trained on. Each setting decodes the same prompts greedily; the baseline (``all``) is timed in the
@@ -16,6 +18,8 @@ verify_cost), and speculation pays once enough drafts are accepted to lift token
 the denominator (docs/inference.md works it out for GPT-2 small's shapes).
 """
 
+import itertools
+import os
 import sys
 import time
 from json import dumps
@@ -28,6 +32,7 @@ from lab import flags, tokens
 from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
 from lab.generate import generate
+from lab.lens.home import how_to_fit
 from lab.quantize import WEIGHT_DTYPES
 from lab.speculate import SpeculationStats
 from lab.weights import load_model
@@ -50,15 +55,17 @@ def decode(model, prompts: list[list[int]], new: int, block_set: BlockSet) -> tu
     return time.perf_counter() - start, outputs, stats
 
 
-def speculation_row(model, prompts: list[list[int]], exit_block: int, k: int, new_tokens: int, draft_cost):
-    """One setting ``speculate=E;k=K`` against full depth, timed in turn; ``draft_cost`` (None: measure it
-    here, beside this baseline) is a draft token's time over a full-depth token's. Returns the row and
-    the draft cost."""
-    spec = BlockSet.parse(f"speculate={exit_block};k={k}", model.config.n_layer)
+def speculation_row(
+    model, prompts: list[list[int]], exit_block: int, k: int, lens: str, new_tokens: int, draft_cost
+):
+    """One setting ``speculate=E;k=K;lens=LENS`` against full depth, timed in turn; ``draft_cost``
+    (None: measure it here, beside this baseline) is a draft token's time over a full-depth token's.
+    Returns the row and the draft cost."""
+    spec = BlockSet(speculate=exit_block, draft_tokens=k, lens=lens).validate(model.config.n_layer)
     full_s, full_tokens, _ = decode(model, prompts, new_tokens, BlockSet())
     full_token_s = full_s / sum(map(len, full_tokens))
-    if draft_cost is None:  # the draft's own pass, once per E, beside this baseline
-        exit_s, exit_tokens, _ = decode(model, prompts, new_tokens, BlockSet(exit_at=exit_block))
+    if draft_cost is None:  # the draft's own pass (exit=E through the same read-out), beside this baseline
+        exit_s, exit_tokens, _ = decode(model, prompts, new_tokens, BlockSet(exit_at=exit_block, lens=lens))
         draft_cost = (exit_s / sum(map(len, exit_tokens))) / full_token_s
     spec_s, spec_tokens, stats = decode(model, prompts, new_tokens, spec)
     round_s = spec_s / max(1, stats.rounds)
@@ -67,6 +74,7 @@ def speculation_row(model, prompts: list[list[int]], exit_block: int, k: int, ne
         "block_set": str(spec),
         "exit": exit_block,
         "k": k,
+        "lens": lens,
         "speedup": round(full_s / spec_s, 3),
         "acceptance_rate": round(stats.acceptance_rate or 0.0, 3),
         "tokens_per_verify": round(sum(map(len, spec_tokens)) / max(1, stats.rounds), 2),
@@ -82,7 +90,7 @@ def speculation_row(model, prompts: list[list[int]], exit_block: int, k: int, ne
 
 def print_row(r: dict) -> None:
     print(
-        f"{r['block_set']:>18}  speedup {r['speedup']:.2f}x  "
+        f"{r['block_set']:>29}  speedup {r['speedup']:.2f}x  "
         f"accepted {r['acceptance_rate']:.0%}  "
         f"{r['tokens_per_s']:.1f} vs {r['full_tokens_per_s']:.1f} tok/s  "
         f"draft {r['draft_cost']:.2f} verify {r['verify_cost']:.2f} (full tokens)  "
@@ -96,6 +104,7 @@ def main(
     dtype: Literal[WEIGHT_DTYPES] = "float32",
     exits: tuple[int, ...] = (2, 4, 6, 8),
     drafts: tuple[int, ...] = (2, 4, 6),
+    lenses: tuple[Literal["logit", "tuned"], ...] | None = None,
     prompts: int = 8,
     prompt_tokens: int = 32,
     new_tokens: int = 64,
@@ -110,6 +119,8 @@ def main(
         dtype: Its weights' type.
         exits: Draft exits E: the blocks that draft.
         drafts: Draft lengths K: the tokens drafted per round.
+        lenses: The drafts' read-outs: logit (as is), tuned (through the model's tuned lens, fitted by
+            `blocklab lens fit`); default both where the model has a tuned lens, else logit.
         prompts: Held-out standard-library files to take a prompt from.
         prompt_tokens: Tokens of each prompt.
         new_tokens: Tokens decoded after each prompt.
@@ -119,24 +130,26 @@ def main(
     """
     torch.set_num_threads(threads)
     loaded = load_model(model, dtype)
+    if lenses is None:
+        lenses = ("logit", "tuned") if loaded.tuned_lens is not None else ("logit",)
+    if "tuned" in lenses and loaded.tuned_lens is None:
+        sys.exit(f"--lenses tuned: {model} has no tuned lens; {how_to_fit(model)}")
     texts = prompts_from_stdlib(prompts, prompt_tokens)
     decode(loaded, texts[:1], 8, BlockSet())  # warm-up
     rows = []
-    for exit_block in exits:
-        draft_cost = None
+    for exit_block, lens in itertools.product(exits, lenses):
+        draft_cost = None  # measured once per draft exit and read-out
         for k in drafts:
-            row, draft_cost = speculation_row(loaded, texts, exit_block, k, new_tokens, draft_cost)
+            row, draft_cost = speculation_row(loaded, texts, exit_block, k, lens, new_tokens, draft_cost)
             rows.append(row)
             if not json:
                 print_row(row)
     result = {
         "model": model,
         "dtype": dtype,
-        "prompts": prompts,
-        "new_tokens": new_tokens,
-        "threads": threads,
+        "load_average": os.getloadavg(), "prompts": prompts, "new_tokens": new_tokens, "threads": threads,
         "rows": rows,
-    }
+    }  # fmt: skip
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "speculate.json").write_text(dumps(result, indent=2) + "\n")
@@ -153,11 +166,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (speed, accept) = plt.subplots(1, 2, figsize=(10, 4))
-    for k in sorted({row["k"] for row in rows}):
-        mine = [row for row in rows if row["k"] == k]
-        exits = [row["exit"] for row in mine]
-        speed.plot(exits, [row["speedup"] for row in mine], marker="o", label=f"k={k}")
-        accept.plot(exits, [row["acceptance_rate"] for row in mine], marker="o", label=f"k={k}")
+    for (k, lens), style in zip(
+        sorted({(row["k"], row["lens"]) for row in rows}), itertools.cycle(["o-", "s--"]), strict=False
+    ):
+        mine = [row for row in rows if row["k"] == k and row["lens"] == lens]
+        exits, label = [row["exit"] for row in mine], f"k={k}, {lens} lens"
+        speed.plot(exits, [row["speedup"] for row in mine], style, label=label)
+        accept.plot(exits, [row["acceptance_rate"] for row in mine], style, label=label)
     speed.axhline(1.0, color="grey", lw=0.8)
     speed.set_ylabel("tokens/s over full-depth decoding")
     accept.set_ylabel("drafts accepted")

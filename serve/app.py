@@ -43,7 +43,7 @@ from serve import http_front, openai_compat
 from serve.connections import DeadlineH11Protocol
 from serve.litserve_adapter import LitServePool
 from serve.metrics import Metrics
-from serve.schema import ModelLimits
+from serve.schema import ModelLimits, missing_lens
 from serve.shared import SharedState
 from serve.worker import ModelFactory, WeightsLoader, Worker
 
@@ -198,6 +198,7 @@ def build(config: ServeConfig, model_factory: ModelFactory | None = None) -> Ser
         default_blocks=config.default_blocks,
         max_prompts=config.prompts_per_request,
         metrics=Metrics(model_name=config.model),
+        model_name=config.model,
     )
     return Server(pool, front, build_app(front, config))
 
@@ -237,6 +238,9 @@ def _check_default_blocks(config: ServeConfig, limits: ModelLimits) -> None:
         raise RuntimeError(f"--default-blocks {config.default_blocks}: {error}") from None
     if default.adaptive_check == "probe" and not limits.exit_probe:
         raise RuntimeError(f"--default-blocks {config.default_blocks}: check=probe needs an exit probe")
+    if default.lens == "tuned" and not limits.tuned_lens:
+        limits = replace(limits, model_name=config.model)
+        raise RuntimeError(f"--default-blocks {config.default_blocks}: {missing_lens(limits)}")
 
 
 def _interrupt(signum, frame) -> None:

@@ -25,6 +25,11 @@ last, so the order the bytes arrive in does not matter:
 The state is re-read after every read and after every response. On shutdown, connections whose
 request is still arriving are closed at once: only whole requests are drained.
 
+A request h11 cannot parse (headers past its 32 kB limit, say) gets uvicorn's 400, then a lingering
+close, as nginx's ``lingering_close``: the server stops writing and reads and discards what the client
+is still sending for up to ``LINGER_S``. Closing at once, with the client's unread bytes in the
+kernel's buffer, sends a reset that can destroy the 400 before the client reads it.
+
 Past ``max_connections`` open connections (uvicorn's ``limit_concurrency``, done here so the answer
 can be the API's own), an idle keep-alive connection is closed to make room, as nginx reuses them;
 with none idle, the request is answered by ``overloaded`` (an ASGI app: the API's 503 with
@@ -32,7 +37,7 @@ Retry-After) and its connection closed.
 
 This is the one place that relies on uvicorn's protocol internals (``H11Protocol``, its ``conn``,
 ``connections``, ``tasks``, ``app``, ``timeout_keep_alive_task``, ``on_response_complete``,
-``shutdown``); an upgrade that changes them touches this file only.
+``send_400_response``, ``shutdown``); an upgrade that changes them touches this file only.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 logger = logging.getLogger("blocklab.serve")
 
 Phase = Literal["idle", "arriving", "serving"]
+
+LINGER_S = 2.0
+"""How long a connection answered 400 keeps reading (and discarding) before it closes."""
 
 
 class DeadlineH11Protocol(H11Protocol):
@@ -71,6 +79,8 @@ class DeadlineH11Protocol(H11Protocol):
         self.max_connections = max_connections
         self.overloaded = overloaded
         self.read_deadline: asyncio.TimerHandle | None = None
+        self.lingering = False
+        """Answered 400: what still arrives is read and dropped until the client closes or LINGER_S."""
         self.inner_app = self.app
         if max_connections is not None:
             self.app = self._admit  # every request of this connection goes through the limit
@@ -121,8 +131,29 @@ class DeadlineH11Protocol(H11Protocol):
         self._rearm()
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return
         super().data_received(data)
         self._rearm()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's 400 for a request h11 cannot parse, then a lingering close (the module docstring)
+        where uvicorn closes at once."""
+        headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
+        for event in (
+            h11.Response(status_code=400, headers=headers),
+            h11.Data(data=msg.encode()),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self._linger()
+
+    def _linger(self) -> None:
+        self._disarm()
+        self.lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # parses what was buffered behind the response, if anything
@@ -134,7 +165,7 @@ class DeadlineH11Protocol(H11Protocol):
 
     def shutdown(self) -> None:
         """The server drains: a request still arriving is not one to wait for."""
-        if self.phase() == "arriving":
+        if self.lingering or self.phase() == "arriving":
             self._disarm()
             self.transport.close()
         else:

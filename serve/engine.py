@@ -92,11 +92,12 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
 
-def _scores(model: GPT, stream: torch.Tensor, targets: list[int]) -> torch.Tensor:
-    """The first n positions of stream [T, D], whose next tokens are ``targets``: per position the
-    target's loss, the most likely token and that token's loss (what OpenAI's logprobs report). [n, 3]."""
+def _scores(read_out: Callable[[torch.Tensor], torch.Tensor], stream: torch.Tensor, targets: list[int]):
+    """The first n positions of stream [T, D], whose next tokens are ``targets``, read out by
+    ``read_out`` (the decoder's): per position the target's loss, the most likely token and that
+    token's loss (what OpenAI's logprobs report). [n, 3]."""
     n = len(targets)
-    logits = model.unembed(stream[None, :n]).float()[0]  # [n, V]
+    logits = read_out(stream[None, :n]).float()[0]  # [n, V]
     losses = F.cross_entropy(logits, torch.tensor(targets, device=logits.device), reduction="none")  # [n]
     top_logits, top_tokens = logits.max(-1)  # [n] each
     top_losses = torch.logsumexp(logits, -1) - top_logits  # [n]
@@ -343,8 +344,9 @@ class Engine:
         chunk_end = min(row.fed + self.prefill_chunk, len(row.feed))
         stream = row.generation.extend(row.feed[row.fed : chunk_end])  # [t, D]
         targets = row.loss_targets[row.fed : chunk_end]
+        decoder = row.generation.decoder
         if targets:
-            row.scores.append(_scores(self.model, stream, targets))
+            row.scores.append(_scores(decoder.read_out, stream, targets))
         row.fed = chunk_end
         report.prefill_s += time.monotonic() - start
         if row.fed < len(row.feed):
@@ -355,8 +357,8 @@ class Engine:
         if job.max_new_tokens == 0:
             report.blocks_per_token = [len(row.fixed_blocks)] * len(job.prompt_tokens[1:])
             return self._end(row)
-        logits = self.model.unembed(stream[None, -1:])[0, -1]  # [V]
-        return self._took(row, [row.generation.pick(logits, row.generation.decoder.blocks)])
+        logits = decoder.read_out(stream[None, -1:])[0, -1]  # [V]
+        return self._took(row, [row.generation.pick(logits, decoder.blocks)])
 
     def _decode(self, rows: list[_Row]) -> Events:
         """One step for ``rows`` together; should it raise, each row alone (only bad rows fail)."""

@@ -300,6 +300,7 @@ class Front:
         max_prompts: int = 16,
         metrics: Metrics | None = None,
         retry_after_s: int = RETRY_AFTER_S,
+        model_name: str = "MODEL",
     ):
         self.pool = pool
         self.request_timeout = request_timeout
@@ -308,6 +309,7 @@ class Front:
         """The most prompts (slots) one request may take (``--max-prompts-per-request``)."""
         self.metrics = metrics or Metrics()
         self.metrics.watch(lambda: pool.stats())
+        self.model_name = model_name  # as --model named it: errors say what to run for it
         self.retry_after_s = retry_after_s
         self.admitted = 0
         """Requests admitted so far."""
@@ -317,7 +319,9 @@ class Front:
 
     def limits(self) -> ModelLimits | None:
         limits = self.pool.limits()
-        return None if limits is None else replace(limits, default_blocks=self.default_blocks)
+        if limits is None:
+            return None
+        return replace(limits, default_blocks=self.default_blocks, model_name=self.model_name)
 
     def admit(self, request: PredictRequest, needs: frozenset[str] = frozenset()) -> Submission:
         """Check, resolve and submit ``request``; HTTPException 422, 429 or 503 when it cannot be.

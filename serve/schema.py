@@ -157,6 +157,10 @@ class ModelLimits:
     block_size: int
     exit_probe: bool = False
     """Whether the model has an exit probe (lab.exit_probe), which ``check=probe`` needs."""
+    tuned_lens: bool = False
+    """Whether the model has a tuned lens (lab.lens), which ``lens=tuned`` needs."""
+    model_name: str = "MODEL"
+    """The served model as ``--model`` named it (what an error tells the user to fit a lens for)."""
     default_blocks: str | None = None
     """The block set of a request that names none (``blocklab serve --default-blocks``); None: all."""
 
@@ -188,6 +192,14 @@ def resolve_block_set(request: PredictRequest, n_layer: int, default: str | None
         return BlockSet.from_values({key.key: value for key, value in given.items()}, n_layer)
     except BlockSetError as error:
         raise RequestError(error.key.request, error.reason) from None
+
+
+def missing_lens(limits: ModelLimits) -> str:
+    """Why ``lens=tuned`` is refused by a model without a tuned lens, and what to do."""
+    return (
+        "lens=tuned needs the model's tuned lens (lab.lens) and the served model has none: fit one "
+        f"with `blocklab lens fit --model {limits.model_name}`, then restart the server"
+    )
 
 
 @dataclass(frozen=True)
@@ -224,6 +236,9 @@ def resolve(
     if block_set.adaptive_check == "probe" and not limits.exit_probe:
         field = "blocks" if request.blocks is not None else KEYS["check"].request
         raise RequestError(field, "check=probe needs an exit probe (lab.exit_probe); this model has none")
+    if block_set.lens == "tuned" and not limits.tuned_lens:
+        field = "blocks" if request.blocks is not None else KEYS["lens"].request
+        raise RequestError(field, missing_lens(limits))
     for option in sorted(needs):
         refused = block_set.cannot_serve(option)
         if refused is not None:

@@ -18,18 +18,18 @@ class SharedState:
     """Memory shared by the pool's HTTP side and the spawned workers, made before the workers start.
 
     ``model``: the served model's n_layer, block_size, vocab_size, parameter count and whether it has
-    an exit probe, written by the first worker to finish ``setup`` (n_layer last: nonzero means
-    ready). ``cancelled``: one cell per in-flight slot; the pool writes a request's ticket there when
-    it is cancelled, and the worker stops that job. ``counters``: a row of ``engine.COUNTERS`` per
-    worker, written only by that worker (no lock, which a worker killed while holding it would leave
-    locked); a replaced worker continues its predecessor's row.
+    an exit probe and a tuned lens, written by the first worker to finish ``setup`` (n_layer last:
+    nonzero means ready). ``cancelled``: one cell per in-flight slot; the pool writes a request's
+    ticket there when it is cancelled, and the worker stops that job. ``counters``: a row of
+    ``engine.COUNTERS`` per worker, written only by that worker (no lock, which a worker killed while
+    holding it would leave locked); a replaced worker continues its predecessor's row.
     """
 
     MAX_WORKERS = 64
 
     def __init__(self, slots: int):
         context = mp.get_context("spawn")
-        self.model = context.RawArray(ctypes.c_int64, 5)
+        self.model = context.RawArray(ctypes.c_int64, 6)
         self.cancelled = context.RawArray(ctypes.c_int64, slots)
         self.counters = context.RawArray(ctypes.c_int64, self.MAX_WORKERS * len(COUNTERS))
 
@@ -56,20 +56,23 @@ class SharedState:
 
     def publish(self, model: GPT) -> None:
         cfg = model.config
-        has_probe = int(model.exit_probe is not None)
-        self.model[1:] = [cfg.block_size, cfg.vocab_size, parameter_count(model), has_probe]
+        has_probe, has_lens = int(model.exit_probe is not None), int(model.tuned_lens is not None)
+        self.model[1:] = [cfg.block_size, cfg.vocab_size, parameter_count(model), has_probe, has_lens]
         self.model[0] = cfg.n_layer  # last: a depth marks the rest as written (see limits)
 
     def limits(self) -> ModelLimits | None:
-        n_layer, block_size, _, _, has_probe = self.model[:]
-        return ModelLimits(n_layer, block_size, exit_probe=bool(has_probe)) if n_layer else None
+        n_layer, block_size, _, _, has_probe, has_lens = self.model[:]
+        if not n_layer:
+            return None
+        return ModelLimits(n_layer, block_size, exit_probe=bool(has_probe), tuned_lens=bool(has_lens))
 
     def model_info(self) -> dict:
-        n_layer, block_size, vocab_size, n_params, has_probe = self.model[:]
+        n_layer, block_size, vocab_size, n_params, has_probe, has_lens = self.model[:]
         return {
             "depth": n_layer,
             "context_length": block_size,
             "vocab_size": vocab_size,
             "parameters": n_params,
             "exit_probe": bool(has_probe),
+            "tuned_lens": bool(has_lens),
         }

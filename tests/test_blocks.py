@@ -118,6 +118,19 @@ def test_adaptive_round_trip():
     assert str(BlockSet.parse("adaptive=.5;min=1;check=cosine", 12)) == "adaptive=0.5"
 
 
+def test_lens_round_trip():
+    """lens=tuned goes with an exit, adaptive exit and speculation's drafts; logit, the default, is
+    left out of the canonical form; the value is one of the two."""
+    for spec in ["exit=6;lens=tuned", "adaptive=0.9;min=4;lens=tuned", "speculate=6;k=3;lens=tuned"]:
+        block_set = BlockSet.parse(spec, 12)
+        assert block_set.lens == "tuned" and str(block_set) == spec
+    assert str(BlockSet.parse("lens = tuned ; exit = 6", 12)) == "exit=6;lens=tuned"
+    assert BlockSet.parse("exit=6;lens=logit", 12) == BlockSet(exit_at=6)
+    assert BlockSet.parse("speculate=6;lens=tuned", 12).without_speculation() == BlockSet()
+    with pytest.raises(ValueError, match="'lens=tune': lens is 'logit' or 'tuned', got 'tune'"):
+        BlockSet.parse("exit=6;lens=tune", 12)
+
+
 INDICES = st.sets(st.integers(0, N_LAYER - 1), max_size=N_LAYER)
 
 
@@ -126,6 +139,7 @@ def valid_block_sets(draw) -> BlockSet:
     """A BlockSet from valid field values (any n_layer-block model accepts it)."""
     skip = draw(INDICES)
     overwrite = draw(INDICES) - skip
+    lens = draw(st.sampled_from(["logit", "tuned"]))
     runs = N_LAYER - len(skip)
     if runs and draw(st.booleans()):  # adaptive needs a block to run, and min at most the blocks it runs
         threshold = draw(st.floats(0.0, 1.0, exclude_min=True))
@@ -135,8 +149,10 @@ def valid_block_sets(draw) -> BlockSet:
             adaptive_threshold=threshold,
             adaptive_min_blocks=draw(st.integers(1, runs)),
             adaptive_check=draw(st.sampled_from(["cosine", "probe"])),
+            lens=lens,
         )
-    return BlockSet(skip=skip, overwrite=overwrite, exit_at=draw(st.none() | st.integers(1, N_LAYER)))
+    exit_at = draw(st.none() | st.integers(1, N_LAYER))
+    return BlockSet(skip=skip, overwrite=overwrite, exit_at=exit_at, lens=lens)
 
 
 @given(block_set=valid_block_sets())
@@ -163,6 +179,7 @@ def spec_strings(draw) -> str:
         "adaptive": number,
         "min": index,
         "check": st.sampled_from(["cosine", "probe", "", "cos"]),
+        "lens": st.sampled_from(["logit", "tuned", "", "Tuned"]),
     }
     keys = draw(st.lists(st.sampled_from(sorted(values)), min_size=1, max_size=3, unique=draw(st.booleans())))
     pad = lambda text: draw(SPACES) + text + draw(SPACES)  # noqa: E731
@@ -238,10 +255,12 @@ def test_the_request_fields_come_from_the_table():
         "adaptive",
         "adaptive_min_blocks",
         "adaptive_check",
+        "lens",
     }
     schema = PredictRequest.model_json_schema()["properties"]
     assert set(named) <= set(schema)
     assert schema["adaptive_check"]["anyOf"][0]["enum"] == ["cosine", "probe"]
+    assert schema["lens"]["anyOf"][0]["enum"] == ["logit", "tuned"]
     assert schema["exit_at"]["anyOf"][0]["minimum"] == 1
     for field, value, reason in [("exit_at", 13, "must be in 1..12"), ("adaptive", 0.5, None)]:
         request = PredictRequest(prompt="a", **{field: value})

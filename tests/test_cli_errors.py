@@ -134,7 +134,7 @@ def test_traffic(capsys, files):
     "argv, message",
     [
         (["stall", "--preset", "tpu"], "Got value: tpu"),
-        (["stall", "--steps", "many"], 'Parser key "steps": Expected a <class \'int\'>. Got value: many'),
+        (["stall", "--steps", "many"], "Parser key \"steps\": Expected a <class 'int'>. Got value: many"),
         (["stall", "--grid", "betas=1,2"], "grid axis 'betas=1,2'"),
         (["stall", "--config", MISSING], f"{MISSING}"),
         (["shapes", "--n-layer", "two"], 'Parser key "n_layer"'),

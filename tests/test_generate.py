@@ -1,5 +1,6 @@
 """Decoding and scoring: cache == no cache, sampling, stopping, context bound, adaptive exit, the CLI."""
 
+import copy
 import json
 import time
 
@@ -56,16 +57,27 @@ def test_cache_equals_no_cache(model, spec):
     assert new == full.argmax(-1).tolist()  # greedy picks what a full forward pass would
 
 
-def test_adaptive_cache_equals_parallel_forward(model):
-    """Decoding token by token with state propagation == the all-positions adaptive pass, depth by depth."""
-    block_set = BlockSet.parse(MIXED, CFG.n_layer)
+@pytest.mark.parametrize("lens", ["logit", "tuned"])
+def test_adaptive_cache_equals_parallel_forward(model, lens):
+    """Decoding token by token with state propagation == the all-positions adaptive pass, depth by
+    depth; through the tuned lens too, where a token that exited early is read out through the
+    translator of its exit block and one that ran every block as it is."""
+    from tests.tiny import random_lens
+
+    lensed = copy.copy(model)  # the same modules, a lens of its own
+    lensed.tuned_lens = random_lens(model)
+    block_set = BlockSet.parse(f"{MIXED};lens={lens}", CFG.n_layer)
     prompt, new = prompt_tokens(), prompt_tokens(n=25, seed=2)
-    cached, depths, _ = decode_all(model, block_set, prompt, new)
-    full, full_depths = adaptive_forward(model, torch.tensor([prompt + new]), block_set, n_full=len(prompt))
+    cached, depths, _ = decode_all(lensed, block_set, prompt, new)
+    full, full_depths = adaptive_forward(lensed, torch.tensor([prompt + new]), block_set, n_full=len(prompt))
     assert depths == full_depths[len(prompt) - 1 :]
     assert (cached - full[0, len(prompt) - 1 :]).abs().max() <= 1e-4
     lengths = {len(d) for d in depths[1:]}
     assert min(lengths) < CFG.n_layer and max(lengths) == CFG.n_layer, "the test wants a mix of depths"
+    logit_lens, _, _ = decode_all(lensed, BlockSet.parse(MIXED, CFG.n_layer), prompt, new)
+    for step, blocks_run in enumerate(depths):  # the same depths: the check reads ln_f either way
+        same = lens == "logit" or len(blocks_run) == CFG.n_layer
+        assert torch.equal(cached[step], logit_lens[step]) == same, (step, blocks_run)
 
 
 def test_adaptive_threshold_controls_depth(model):

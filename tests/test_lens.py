@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from lab import cli, weights
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
+from lab.decode import Decoder
 from lab.errors import UserError
+from lab.generate import generate, score
 from lab.lens import cost, fit, home, report
 from lab.lens.data import fingerprint
 from lab.lens.translator import FILE, ReadOut, TunedLens, load_tuned_lens, save_tuned_lens
@@ -393,3 +395,83 @@ def test_parity_with_the_tuned_lens_package(tmp_path):
             kl = float((final.exp() * (final - q)).sum(-1).mean())
             assert kl == pytest.approx(lens.metadata["held_out_kl_tuned"][block], rel=1e-5), block
             assert kl < 0.9 * lens.metadata["held_out_kl_logit"][block]  # and the fit did something
+
+
+# ---------------------------------------------------------------------------------------------------
+# Served: lens=tuned block sets read their exits through the model's lens
+
+
+@pytest.fixture(scope="module")
+def lensed(model, fitted) -> GPT:
+    """``model`` with ``fitted`` as its tuned lens, as ``lab.weights.load_model`` attaches one."""
+    lensed = copy.deepcopy(model)
+    lensed.tuned_lens = fitted
+    return lensed
+
+
+def test_an_exit_through_the_lens_is_the_translated_read_out(lensed, fitted):
+    """``score`` under exit=E;lens=tuned is unembed(lens(E-1, stream leaving block E-1)), computed the
+    plain way; under the logit lens it is not; at full depth there is no translator."""
+    ids = windows(1)[0]
+    idx = torch.tensor([ids])  # [1, T]
+    taps = block_streams(lensed, idx)
+    for exit_at in range(1, CFG.n_layer):
+        with torch.no_grad():
+            logits = lensed.unembed(fitted(exit_at - 1, taps[exit_at - 1]))[0, :-1]  # [T-1, V]
+        direct = F.cross_entropy(logits, idx[0, 1:], reduction="none")  # [T-1]
+        tuned = score(lensed, ids, BlockSet(exit_at=exit_at, lens="tuned"))
+        torch.testing.assert_close(torch.tensor(tuned.token_losses), direct, rtol=1e-5, atol=1e-5)
+        assert tuned.token_losses != score(lensed, ids, BlockSet(exit_at=exit_at)).token_losses
+    assert score(lensed, ids, BlockSet(lens="tuned")).token_losses == score(lensed, ids).token_losses
+
+
+@pytest.mark.parametrize("spec", ["exit=2;lens=tuned", "skip=1;exit=3;lens=tuned"])
+def test_decoding_through_the_lens_is_the_all_positions_pass(lensed, spec):
+    """Token by token (``Decoder``: prefill, then ``decode_rows``) the logits are those of scoring the
+    whole text at once, and the greedy tokens follow them; with a skip, the translator is the one of
+    the last block run."""
+    block_set = BlockSet.parse(spec, CFG.n_layer)
+    prompt = windows(1)[0][:6]
+    new = [step.token for step in generate(lensed, prompt, 10, block_set=block_set)]
+    decoder = Decoder(lensed, block_set)
+    cached = [decoder.prefill(prompt)] + [decoder.step(token)[0] for token in new[:-1]]
+    ids = prompt + new
+    idx = torch.tensor([ids[:-1]])  # [1, T]
+    with torch.no_grad():
+        x = lensed.residual_stream(idx, block_set=block_set)  # [1, T, D]
+        last = block_set.blocks_to_run(CFG.n_layer)[-1]  # exit=3 without block 1: still block 2's
+        full = lensed.unembed(lensed.tuned_lens(last, x))[0, len(prompt) - 1 :]  # [10, V]
+    assert (torch.stack(cached) - full).abs().max() <= 1e-4
+    assert new == full.argmax(-1).tolist()
+
+
+def test_lens_tuned_without_a_lens_says_how_to_fit_one(model):
+    from lab.speculate import Speculator
+
+    ids = windows(1)[0]
+    for block_set in [BlockSet(exit_at=2, lens="tuned"), BlockSet(adaptive_threshold=0.9, lens="tuned")]:
+        with pytest.raises(UserError, match="lens=tuned needs the model's tuned lens .* `blocklab lens fit"):
+            Decoder(model, block_set)
+        with pytest.raises(UserError, match="lens=tuned needs the model's tuned lens"):
+            score(model, ids, block_set)
+    with pytest.raises(UserError, match="lens=tuned needs the model's tuned lens"):
+        Speculator(model, BlockSet(speculate=2, lens="tuned"), max_len=32)
+    assert score(model, ids, BlockSet(exit_at=2)).token_losses  # the logit lens needs nothing
+
+
+def test_load_model_brings_the_lens_fitted_to_it(tmp_path, model, fitted, lensed, caplog):
+    save_model(model, tmp_path / "model")
+    assert weights.load_model(str(tmp_path / "model")).tuned_lens is None
+    save_tuned_lens(fitted, tmp_path / "model")
+    loaded = weights.load_model(str(tmp_path / "model"))
+    assert torch.equal(loaded.tuned_lens.weight, fitted.weight) and loaded.tuned_lens.blocks == fitted.blocks
+    bf16 = weights.load_model(str(tmp_path / "model"), "bfloat16")
+    assert bf16.tuned_lens.weight.dtype == torch.bfloat16  # the activations' dtype
+    ids = windows(1)[0]
+    spec = BlockSet(exit_at=2, lens="tuned")
+    assert score(loaded, ids, spec).token_losses == score(lensed, ids, spec).token_losses
+    save_model(sharp_model(seed=5), tmp_path / "retrained")  # the same shape, other weights
+    save_tuned_lens(fitted, tmp_path / "retrained")
+    with caplog.at_level("WARNING", logger="lab.lens.home"):
+        assert weights.load_model(str(tmp_path / "retrained")).tuned_lens is None
+    assert "fitted to other weights" in caplog.text

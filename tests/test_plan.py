@@ -85,6 +85,28 @@ def test_reported_loss_is_score_on_the_evaluation_split(report):
         assert point["loss"] == pytest.approx(expected, abs=1e-4)
 
 
+def test_a_model_with_a_tuned_lens_gets_its_exits_as_candidates(report):
+    """Beside the logit-lens exits, the same exits through the tuned lens, each measured as score
+    measures it; a model without a lens gets none."""
+    from tests.tiny import random_lens
+
+    assert "tuned" not in report["methods"]
+    torch.manual_seed(0)
+    model = tiny()
+    model.tuned_lens = random_lens(model, scale=0.2)
+    lensed = plan.make_plan(model, WINDOWS, 3, max_loss_increase=10.0, latency=depth_latency)
+    tuned, exits = lensed["methods"]["tuned"], lensed["methods"]["exit"]
+    assert [p["block_set"] for p in tuned] == [f"exit={CFG.n_layer - k};lens=tuned" for k in (1, 2, 3)]
+    assert [p["k"] for p in tuned] == [1, 2, 3]
+    _, evaluation = loss_meter.split(WINDOWS)
+    tokens = sum(len(w) - 1 for w in evaluation)
+    for point, logit in zip(tuned, exits, strict=True):
+        block_set = BlockSet.parse(point["block_set"], CFG.n_layer)
+        expected = sum(score(model, w, block_set).mean_loss * (len(w) - 1) for w in evaluation) / tokens
+        assert point["loss"] == pytest.approx(expected, abs=1e-4)
+        assert point["loss"] != pytest.approx(logit["loss"], abs=1e-4)
+
+
 def test_repeated_table_rows_are_counted_exactly():
     """The read-out over distinct rows (weighted by their count) is the full softmax's."""
     model = tiny()
@@ -244,8 +266,12 @@ def test_traffic_replays_a_plans_frontier(tmp_path, monkeypatch):
 
 
 def test_sets_start_from_the_kept_stream_or_run_whole_alike(monkeypatch):
+    from tests.tiny import random_lens
+
     model = tiny()
-    sets = [BlockSet(skip=frozenset({2, 4})), BlockSet(exit_at=3), BlockSet(overwrite=frozenset({1}))]
+    model.tuned_lens = random_lens(model)
+    sets = [BlockSet(skip=frozenset({2, 4})), BlockSet(exit_at=3), BlockSet(overwrite=frozenset({1})),
+            BlockSet(skip=frozenset({1}), exit_at=3, lens="tuned")]  # fmt: skip
     kept = loss_meter.LossMeter(model, WINDOWS[:4])
     monkeypatch.setattr(loss_meter, "CACHE_BYTES", 0)
     whole = loss_meter.LossMeter(model, WINDOWS[:4])

@@ -19,15 +19,19 @@ N_LAYER, CONTEXT = 4, 128
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
+SERVED = TinyModel(
+    n_layer=N_LAYER,
+    block_size=CONTEXT,
+    fail_token=tokens.encode(FAIL_WORD)[0],
+    slow_token=tokens.encode(SLOW_WORD)[0],
+    slow_s=0.5,
+    tuned_lens=True,
+)
+
+
 @pytest.fixture(scope="module")
 def server():
-    model = TinyModel(
-        n_layer=N_LAYER,
-        block_size=CONTEXT,
-        fail_token=tokens.encode(FAIL_WORD)[0],
-        slow_token=tokens.encode(SLOW_WORD)[0],
-        slow_s=0.5,
-    )
+    model = SERVED
     args = [
         "--model",
         "tiny-test",
@@ -112,9 +116,14 @@ def test_undecodable_body_and_oversized_body(client):
     )
 
 
-def test_oversized_headers_get_400_and_the_server_keeps_serving(client):
-    response = client.post("/predict", json={"prompt": PROMPT}, headers={"X-Padding": "a" * 1_000_000})
-    assert response.status_code == 400  # h11 stops reading past 32 kB: the header is never buffered whole
+def test_oversized_headers_get_400_and_the_server_keeps_serving(server, client):
+    padding = {"X-Padding": "a" * 1_000_000}
+    with httpx.Client(base_url=server.url, headers=HEADERS) as new_connection:
+        for sender in (new_connection, client):  # a connection's first request, and a reused one's
+            response = sender.post("/predict", json={"prompt": PROMPT}, headers=padding)
+            # h11 stops reading past 32 kB, so the header is never buffered whole; the server reads and
+            # drops the rest while the client sends it, or closing would reset the 400 away
+            assert response.status_code == 400
     assert predict(client, prompt=PROMPT, max_new_tokens=1)["finish_reason"] == "length"
 
 
@@ -206,6 +215,33 @@ def test_skip_and_exit_change_the_loss_and_the_blocks_run(client):
     assert runs["exit=2"]["blocks_per_token"] == [2] * (runs["exit=2"]["prompt_tokens"] - 1)
     structured = predict(client, prompt=PROMPT, max_new_tokens=0, skip=[1, 2])
     assert structured["score"] == runs["skip=1,2"]["score"]
+
+
+def test_lens_tuned_exits_through_the_served_models_lens(server, client):
+    """``/info`` reports the lens; ``exit=2;lens=tuned`` as a spec, as the structured fields and through
+    the OpenAI route's extra_body gives what ``lab.generate`` gives on the same model, not the logit
+    lens's exit."""
+    from lab.blocks import BlockSet
+    from lab.generate import generate, score
+
+    assert client.get("/info").json()["model"]["tuned_lens"] is True
+    body = {"prompt": PROMPT, "max_new_tokens": 6, "score": True}
+    tuned = predict(client, **body, blocks="exit=2;lens=tuned")
+    assert tuned["block_set"] == "exit=2;lens=tuned" and tuned["blocks_run"] == [0, 1]
+    structured = predict(client, **body, exit_at=2, lens="tuned")
+    assert structured["tokens"] == tuned["tokens"] and structured["score"] == tuned["score"]
+    model, block_set, prompt = SERVED("cpu"), BlockSet(exit_at=2, lens="tuned"), tokens.encode(PROMPT)
+    expected = [step.token for step in generate(model, prompt, 6, block_set=block_set, eos_token=tokens.EOT)]
+    assert tuned["tokens"] == expected
+    local = score(model, prompt, block_set).mean_loss
+    assert tuned["score"]["mean_loss"] == pytest.approx(local, rel=1e-4)
+    logit = predict(client, **body, blocks="exit=2")
+    assert logit["score"]["mean_loss"] != pytest.approx(tuned["score"]["mean_loss"], rel=1e-3)
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    out = api.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"blocks": "exit=2;lens=tuned"}
+    )
+    assert out.blocklab["block_set"] == "exit=2;lens=tuned" and out.choices[0].text == tuned["text"]
 
 
 def test_adaptive_exit_reports_blocks_per_token(client):

@@ -17,7 +17,7 @@ from serve.engine import Engine
 from serve.schema import Job, ModelLimits, PredictRequest, RequestError, resolve
 from serve.shared import SharedState
 from serve.worker import Order, Worker
-from tests.tiny import TinyModel
+from tests.tiny import TinyModel, random_lens
 
 N_LAYER = 4
 PROMPT = tokens.encode("The quick brown fox jumps over")
@@ -87,7 +87,8 @@ def test_batched_generation_matches_lab_generate(model):
 
 
 MIXED = ["all", "skip=1", "keep=0,2", "exit=2", "overwrite=1", "skip=0;exit=3", "adaptive=0.9;min=2",
-         "adaptive=0.5", "adaptive=0.99;check=probe"]  # fmt: skip
+         "adaptive=0.5", "adaptive=0.99;check=probe", "exit=2;lens=tuned", "skip=1;exit=3;lens=tuned",
+         "adaptive=0.9;min=2;lens=tuned", "lens=tuned"]  # fmt: skip
 
 
 @pytest.mark.parametrize("norm", ["pre", "post"])
@@ -103,6 +104,7 @@ def test_random_mixes_of_block_sets_joining_and_leaving_compute_what_each_row_co
     model = probed_tiny_model("cpu", config)
     if dtype == "int4":
         model = quantize(model.to(torch.bfloat16), "int4")
+    model.tuned_lens = random_lens(model)  # in the activations' dtype: after quantizing
     rng = random.Random(f"{norm}{dtype}")
     words = tokens.decode(PROMPT).split() + ["while", "def", "class", "return", "import", "lazy", "dog"]
     for trial in range(3):
@@ -145,7 +147,10 @@ def test_a_rows_logits_are_bit_for_bit_its_logits_alone(dtype):
     model = TinyModel(n_layer=N_LAYER, n_embd=64, n_head=4)("cpu")
     if dtype == "int4":
         model = quantize(model.to(torch.bfloat16), "int4")
-    specs = ["all", "skip=1", "exit=3", "overwrite=2", "adaptive=0.5", "all", "keep=0,3", "all"]
+    model.tuned_lens = random_lens(model)
+    specs = ["all", "skip=1", "exit=3", "overwrite=2", "adaptive=0.5", "all", "keep=0,3", "all",
+             "exit=3;lens=tuned", "exit=2;lens=tuned", "exit=3;lens=tuned",
+             "adaptive=0.5;lens=tuned"]  # fmt: skip
 
     def decoders() -> list[Decoder]:
         made = []
@@ -417,6 +422,33 @@ def test_resolve_refuses_what_does_not_fit_the_model():
     assert resolved.sampling == SamplingParams(seed=5) and resolved.max_new_tokens == 16
     drawn = resolve(PredictRequest(prompt="hello there"), limits).sampling.seed
     assert drawn is not None and drawn != resolve(PredictRequest(prompt="hello there"), limits).sampling.seed
+
+
+def test_lens_tuned_is_refused_by_a_model_without_a_lens_saying_how_to_fit_one():
+    from serve import app
+    from serve.http_front import Front
+
+    class LoadedPool:  # a pool whose workers published a model without a tuned lens
+        def limits(self) -> ModelLimits:
+            return ModelLimits(N_LAYER, 32)
+
+    limits = Front(LoadedPool(), model_name="builtin").limits()
+    for request, field in [
+        (PredictRequest(prompt="hello there", blocks="exit=2;lens=tuned"), "blocks"),
+        (PredictRequest(prompt="hello there", exit_at=2, lens="tuned"), "lens"),
+        (PredictRequest(prompt="hello there", blocks="speculate=2;lens=tuned"), "blocks"),
+    ]:
+        with pytest.raises(RequestError) as error:
+            resolve(request, limits)
+        assert error.value.field == field
+        assert "has none: fit one with `blocklab lens fit --model builtin`" in error.value.message
+    with_lens = replace(limits, tuned_lens=True)
+    request = PredictRequest(prompt="hello there", exit_at=2, lens="tuned")
+    assert resolve(request, with_lens).block_set == BlockSet(exit_at=2, lens="tuned")
+    config = app.ServeConfig(model="builtin", default_blocks="exit=6;lens=tuned")
+    with pytest.raises(RuntimeError, match="lens=tuned needs .* `blocklab lens fit --model builtin`"):
+        app._check_default_blocks(config, ModelLimits(12, 64))
+    app._check_default_blocks(config, ModelLimits(12, 64, tuned_lens=True))
 
 
 def test_the_worker_runs_resolved_jobs_from_its_inbox():

@@ -40,9 +40,7 @@ def samples(text: str) -> Counter:
 def delta(before: Counter, after: Counter, name: str, **labels) -> float:
     """The change of ``name`` summed over the samples whose labels include ``labels``."""
     wanted = {(k, str(v)) for k, v in labels.items()}
-    return sum(
-        after[key] - before.get(key, 0.0) for key in after if key[0] == name and wanted <= set(key[1])
-    )
+    return sum(after[key] - before.get(key, 0.0) for key in after if key[0] == name and wanted <= set(key[1]))
 
 
 def test_metrics_need_the_key_unless_public():

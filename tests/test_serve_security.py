@@ -195,7 +195,7 @@ REQUEST_FIELDS = {
     # /predict
     "id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "min_tokens",
     "ignore_eos", "stop", "seed", "stream", "score", "blocks",
-    "skip", "keep", "overwrite", "exit_at", "adaptive", "adaptive_min_blocks", "adaptive_check",
+    "skip", "keep", "overwrite", "exit_at", "adaptive", "adaptive_min_blocks", "adaptive_check", "lens",
     # the OpenAI routes
     "model", "max_tokens", "stream_options", "include_usage", "continuous_usage_stats", "user", "n",
     "presence_penalty", "frequency_penalty", "logit_bias", "echo", "logprobs", "best_of", "suffix",

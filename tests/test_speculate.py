@@ -1,6 +1,7 @@
 """Self-speculative decoding (``speculate=E``): exact tokens when greedy, the full set's distribution
 when sampling, in ``lab.generate``, the engine and the block-set grammar."""
 
+import copy
 import itertools
 import re
 import time
@@ -17,6 +18,7 @@ from lab.sampling import SamplingParams
 from lab.speculate import SpeculationStats
 from serve.engine import Engine
 from serve.schema import Job
+from tests.tiny import random_lens
 
 PROMPTS = ["The quick brown fox", "def main(", "import os\nimport sys", "Once upon a time there"]
 
@@ -36,7 +38,9 @@ def bold(config: GPTConfig, seed: int = 0) -> GPT:
 @pytest.fixture(scope="module")
 def model() -> GPT:
     torch.set_num_threads(1)
-    return bold(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=tokens.VOCAB_SIZE, block_size=128))
+    model = bold(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=tokens.VOCAB_SIZE, block_size=128))
+    model.tuned_lens = random_lens(model, scale=0.05)  # lens=tuned drafts: other guesses, some right
+    return model
 
 
 def tokens_of(model: GPT, prompt: str, spec: str, n: int = 24) -> list[int]:
@@ -45,8 +49,10 @@ def tokens_of(model: GPT, prompt: str, spec: str, n: int = 24) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "spec", ["speculate=1", "speculate=2;k=2", "speculate=3;k=6", "skip=1;speculate=2;k=3"]
-)
+    "spec",
+    ["speculate=1", "speculate=2;k=2", "speculate=3;k=6", "skip=1;speculate=2;k=3",
+     "speculate=2;k=3;lens=tuned", "skip=1;speculate=3;k=4;lens=tuned"],
+)  # fmt: skip
 def test_greedy_speculation_gives_exactly_the_full_sets_tokens(model, spec):
     full_spec = "skip=1" if spec.startswith("skip") else "all"
     stats = SpeculationStats()
@@ -66,6 +72,30 @@ def test_quantized_greedy_speculation_gives_the_full_sets_tokens():
     model = quantize(bold(config, seed=1).to(torch.bfloat16), "int4")
     for prompt in PROMPTS[:2]:
         assert tokens_of(model, prompt, "speculate=2;k=3") == tokens_of(model, prompt, "all")
+
+
+def test_a_tuned_draft_is_the_exit_through_the_lens(model):
+    """Under speculate=E;lens=tuned a round's greedy drafts are the tokens exit=E;lens=tuned decodes
+    from the same place (the drafting blocks' keys and values are the exit's), and not those of the
+    logit lens's draft."""
+    from lab.decode import Decoder
+    from lab.sampling import GREEDY
+    from lab.speculate import Speculator
+
+    model = copy.copy(model)  # the same modules, a lens of its own: far from the identity
+    model.tuned_lens = random_lens(model, scale=0.5)
+    prompt, fed = tokens.encode(PROMPTS[1]), tokens.encode(" x")[0]
+    drafts = {}
+    for lens in ("tuned", "logit"):
+        speculator = Speculator(model, BlockSet.parse(f"speculate=2;k=6;lens={lens}", 4), max_len=64)
+        speculator.decoder.prefill(prompt)
+        _, drafts[lens], _ = speculator._draft(fed, len(prompt), 6, GREEDY, torch.Generator())
+    exit_decoder, exit_tokens, token = Decoder(model, BlockSet.parse("exit=2;lens=tuned", 4)), [], fed
+    exit_decoder.prefill(prompt)
+    for _ in range(6):
+        token = int(exit_decoder.step(token)[0].argmax())
+        exit_tokens.append(token)
+    assert drafts["tuned"] == exit_tokens and drafts["logit"] != exit_tokens
 
 
 def test_scoring_under_speculation_is_the_full_sets_loss(model):

@@ -5,6 +5,7 @@ whether a process still lives, and a valid ``/predict`` answer to fake a server 
         ...
     with ServerProcess(["--threads", "1"], model_factory=TinyModel(fail_token=13)) as server:
         ...  # a request whose prompt holds token 13 raises inside the worker
+    model.tuned_lens = random_lens(model)  # lens=tuned exits through random translators
 
 ``TinyModel`` is a random ``serve.process.TINY`` GPT. Its ``step_s``, ``slow_token`` and
 ``fail_token`` make every step or one request slow, or make a request raise inside the worker, to
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from lab.config import GPTConfig
+from lab.lens.translator import TunedLens
 from lab.model import GPT
 from serve.process import TINY
 from serve.schema import PredictResponse
@@ -60,6 +62,8 @@ class TinyModel:
     slow_s: float = 0.0
     fail_token: int | None = None
     """A pass over this token raises RuntimeError."""
+    tuned_lens: bool = False
+    """Give it a random tuned lens (``random_lens``), so lens=tuned block sets run."""
 
     def config(self) -> GPTConfig:
         return replace(TINY, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
@@ -71,7 +75,23 @@ class TinyModel:
             model = _InstrumentedGPT(self.config())
         model.step_s, model.slow_token, model.slow_s = self.step_s, self.slow_token, self.slow_s
         model.fail_token = self.fail_token
-        return model.to(device).eval()
+        model = model.to(device).eval()
+        if self.tuned_lens:
+            model.tuned_lens = random_lens(model, self.seed)
+        return model
+
+
+def random_lens(model: GPT, seed: int = 0, scale: float = 0.5) -> TunedLens:
+    """A tuned lens of random translators for every block of ``model`` but the last, far enough from
+    the identity that lens=tuned exits read out otherwise than the logit lens; in the model's device
+    and dtype (attach it after quantizing)."""
+    L, D = model.config.n_layer, model.config.n_embd
+    generator = torch.Generator().manual_seed(seed)
+    lens = TunedLens.identity(L, D)
+    lens.weight[: L - 1] = torch.randn(L - 1, D, D, generator=generator) * scale / D**0.5
+    lens.bias[: L - 1] = torch.randn(L - 1, D, generator=generator) * scale
+    lens.blocks = tuple(range(L - 1))
+    return lens.to(model.wte.weight.device, model.wte.weight.dtype)
 
 
 def is_alive(pid: int) -> bool:

@@ -5,6 +5,7 @@
     lens_home("path/to/ckpt.pt")    # the checkpoint's directory
     lens_home("openai-community/gpt2")  # $BLOCKLAB_CACHE/hub/openai-community--gpt2, not the hub's cache
     find_tuned_lens("builtin", model)   # the first lens of lens_sources() fitted to this model
+    attach_tuned_lens("builtin", model)  # model.tuned_lens: what lens=tuned reads through (load_model)
 
 The shipped builtin models live inside the package (lab/assets), which may be read-only and is
 replaced by every install: a lens fitted to one is written to ``builtin_dir(name)``, the directory a
@@ -15,12 +16,15 @@ then the model retrained there), so a lens records the fingerprint of the weight
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from lab.errors import UserError
 from lab.lens.translator import TunedLens, load_tuned_lens
 from lab.model import GPT
 from lab.weights import BUILTIN_MODELS, SHIPPED_DIR, builtin_dir, cache_root, shipped_dir
+
+logger = logging.getLogger(__name__)
 
 
 def lens_home(spec: str) -> Path:
@@ -45,11 +49,9 @@ def lens_sources(spec: str) -> list[Path]:
     return [home] + ([beside] if beside != home and (spec in BUILTIN_MODELS or path.is_dir()) else [])
 
 
-def find_tuned_lens(spec: str, model: GPT, directory: Path | None = None) -> tuple[TunedLens, Path]:
-    """The lens of ``model`` (loaded from ``spec``) and the directory it came from: ``directory``
-    alone when given, else the first of ``lens_sources(spec)`` that holds one fitted to this model.
-    UserError saying how to fit one when there is none."""
-    sources = [directory] if directory is not None else lens_sources(spec)
+def first_fitted(sources: list[Path], model: GPT) -> tuple[TunedLens | None, Path | None, UserError | None]:
+    """The first lens in ``sources`` fitted to ``model`` and its directory; else None, None and why
+    the first lens found was refused (another model's), or None when there was none."""
     refused = None
     for source in sources:
         try:
@@ -58,10 +60,36 @@ def find_tuned_lens(spec: str, model: GPT, directory: Path | None = None) -> tup
             refused = refused or error
             continue
         if lens is not None:
-            return lens, source
+            return lens, source, None
+    return None, None, refused
+
+
+def find_tuned_lens(spec: str, model: GPT, directory: Path | None = None) -> tuple[TunedLens, Path]:
+    """The lens of ``model`` (loaded from ``spec``) and the directory it came from: ``directory``
+    alone when given, else the first of ``lens_sources(spec)`` that holds one fitted to this model.
+    UserError saying how to fit one when there is none."""
+    sources = [directory] if directory is not None else lens_sources(spec)
+    lens, source, refused = first_fitted(sources, model)
+    if lens is not None:
+        return lens, source
     if refused is not None:
         raise refused
     looked = ", ".join(str(source) for source in sources)
-    raise UserError(
-        f"no tuned lens for {spec} (looked in {looked}): fit one with `blocklab lens fit --model {spec}`"
-    )
+    raise UserError(f"no tuned lens for {spec} (looked in {looked}): {how_to_fit(spec)}")
+
+
+def how_to_fit(spec: str) -> str:
+    """What to do when ``spec`` has no tuned lens, for an error to say."""
+    return f"fit one with `blocklab lens fit --model {spec}`"
+
+
+def attach_tuned_lens(spec: str, model: GPT) -> Path | None:
+    """Set ``model.tuned_lens`` (what ``lens=tuned`` block sets read through) to the lens of ``spec``
+    fitted to this model, on the model's device in its activations' dtype, or to None when there is
+    none; the directory it came from. A lens fitted to other weights is left out, with a warning."""
+    lens, source, refused = first_fitted(lens_sources(spec), model)
+    if refused is not None:
+        logger.warning("tuned lens not loaded: %s", refused)
+    weight = model.wte.weight
+    model.tuned_lens = None if lens is None else lens.to(weight.device, weight.dtype)
+    return source

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from lab.blocks import BlockSet
 from lab.errors import UserError
 from lab.model import GPT, ROWS_ALONE, matmul_rows_alone
 
@@ -100,6 +101,46 @@ class TunedLens:
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> TunedLens:
         moved = {name: tensor.to(device=device, dtype=dtype) for name, tensor in self.tensors().items()}
         return TunedLens(**moved, blocks=self.blocks, metadata=self.metadata)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exits through the lens (block sets with lens=tuned)
+
+
+def require_tuned_lens(model: GPT, block_set: BlockSet) -> TunedLens | None:
+    """The lens ``block_set`` reads its exits through: the model's (``GPT.tuned_lens``, attached by
+    ``lab.weights.load_model``) under ``lens=tuned``, None under the logit lens. UserError saying how
+    to fit one when the set asks for it and the model has none."""
+    if block_set.lens != "tuned":
+        return None
+    if model.tuned_lens is None:
+        raise UserError(
+            "blocks: lens=tuned needs the model's tuned lens and this model has none; fit one with "
+            "`blocklab lens fit --model MODEL` (MODEL as you load it), then load the model again"
+        )
+    return model.tuned_lens
+
+
+def exit_translator(lens: TunedLens | None, blocks_ran: list[int]) -> int | None:
+    """The block whose translator reads a stream that ran ``blocks_ran``: the last of them. None (read
+    out as it is) without a lens, when no block ran, or when that block has no fitted translator (the
+    final block never has one: its stream is what the translators are fitted to)."""
+    if lens is None or not blocks_ran or blocks_ran[-1] not in lens.blocks:
+        return None
+    return blocks_ran[-1]
+
+
+def translate_exits(lens: TunedLens | None, x: torch.Tensor, exits: list[int | None]) -> torch.Tensor:
+    """x [N, ..., D] with each row n translated by the translator of block ``exits[n]`` (None: as it
+    is), for the read-out. The rows of one block share a call, whose product takes each row alone
+    under ``lab.model.rows_alone`` (``_product``); rows read out as they are cost nothing."""
+    for block in sorted({e for e in exits if e is not None}):
+        rows = [n for n, e in enumerate(exits) if e == block]
+        if len(rows) == len(exits):
+            return lens(block, x)
+        index = torch.tensor(rows, device=x.device)
+        x = x.index_copy(0, index, lens(block, x[index]))  # [N, ..., D]
+    return x
 
 
 # ---------------------------------------------------------------------------------------------------
