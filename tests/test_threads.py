@@ -31,7 +31,8 @@ def test_free_cores_is_what_others_left():
 
 
 @pytest.mark.parametrize(
-    ("free", "most", "expected"), [(2.0, 2, 2), (1.6, 2, 2), (1.4, 2, 1), (0.0, 2, 1), (7.8, 4, 4), (3.5, 8, 4)]
+    ("free", "most", "expected"),
+    [(2.0, 2, 2), (1.6, 2, 2), (1.4, 2, 1), (0.0, 2, 1), (7.8, 4, 4), (3.5, 8, 4)],
 )
 def test_threads_for_one_per_free_core(free, most, expected):
     assert threads_for(free, most) == expected
