@@ -175,13 +175,18 @@ def seconds_per_step(lit: LitGPT, dm: TokenDataModule, precision: str) -> float:
     with torch.random.fork_rng(devices=[]):
         for _ in range(3):
             start = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-                loss, _ = probe.objective(x, y)  # the recipe's own step: its read-outs cost time too
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            training_step(probe, optimizer, x, y, precision)
             times.append(time.perf_counter() - start)
     return min(times[1:])
+
+
+def training_step(lit: LitGPT, optimizer, x: torch.Tensor, y: torch.Tensor, precision: str) -> None:
+    """One optimiser step of the recipe on tokens x and targets y [B, T]: forward, backward, update."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        loss, _ = lit.objective(x, y)  # the recipe's own step: its read-outs cost time too
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 def data_module(recipe: Recipe) -> TokenDataModule:
