@@ -48,8 +48,9 @@ from lab.exit_probe import ExitProbe, fit_exit_probe_on_files
 from lab.flags import parse
 from lab.machine import cpu_description
 from lab.model import GPT
+from lab.threads import ThreadTuner
 from lab.token_data import TokenDataModule, lowest_log_normaliser, ngram_baselines, widen_vocabulary
-from lab.train import LitGPT, make_trainer
+from lab.train import FreeCoreThreads, LitGPT, make_trainer
 from lab.weights import (
     FORMAT_FILE,
     builtin_dir,
@@ -82,7 +83,8 @@ class Recipe:
     precision: Literal["32-true", "bf16-mixed"] = "32-true"
     """Lightning's precision. fp32 everywhere: bf16 is fast only on CPUs with bf16 units."""
     threads: int | None = None
-    """Torch threads for training (None: torch's default, the cores); the weights depend on it."""
+    """Torch threads for training, fixed (None: one per free core, chosen again every few seconds:
+    ``lab.train.FreeCoreThreads``); the weights depend on them."""
     muon_lr: float = 0.02
     """Muon's learning rate for the blocks' matrices (``lab.optim``)."""
     lr: float = 3e-3
@@ -173,13 +175,18 @@ def seconds_per_step(lit: LitGPT, dm: TokenDataModule, precision: str) -> float:
     with torch.random.fork_rng(devices=[]):
         for _ in range(3):
             start = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-                loss, _ = probe.objective(x, y)  # the recipe's own step: its read-outs cost time too
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            training_step(probe, optimizer, x, y, precision)
             times.append(time.perf_counter() - start)
     return min(times[1:])
+
+
+def training_step(lit: LitGPT, optimizer, x: torch.Tensor, y: torch.Tensor, precision: str) -> None:
+    """One optimiser step of the recipe on tokens x and targets y [B, T]: forward, backward, update."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        loss, _ = lit.objective(x, y)  # the recipe's own step: its read-outs cost time too
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 def data_module(recipe: Recipe) -> TokenDataModule:
@@ -229,7 +236,9 @@ def plan(recipe: Recipe, lit: LitGPT, dm: TokenDataModule, started: float) -> tu
     return steps, train_seconds
 
 
-def train(recipe: Recipe, lit: LitGPT, dm: TokenDataModule, steps: int, train_seconds, logs: Path) -> int:
+def train(
+    recipe: Recipe, lit: LitGPT, dm: TokenDataModule, steps: int, train_seconds, logs: Path, callbacks: list
+) -> int:
     """Fit ``lit`` on ``dm`` for ``steps`` steps (or until ``train_seconds``); the steps taken."""
     trainer = make_trainer(
         steps,
@@ -243,6 +252,7 @@ def train(recipe: Recipe, lit: LitGPT, dm: TokenDataModule, steps: int, train_se
         logger=TensorBoardLogger(logs, name="", version=""),
         log_every_n_steps=10,
         enable_progress_bar=True,
+        callbacks=callbacks,
     )
     L.seed_everything(recipe.seed, verbose=False)  # layer dropout's draws start from the seed too
     trainer.fit(lit, datamodule=dm)
@@ -267,6 +277,8 @@ def create_builtin(recipe: Recipe | None = None, directory: Path | None = None, 
 
 def _create(recipe: Recipe, directory: Path, logs: Path, command: str) -> dict:
     started = time.perf_counter()
+    # --threads fixes the threads (and so the weights); else they follow the cores left free
+    tuning = None if recipe.threads is not None else FreeCoreThreads(ThreadTuner())
     dm = data_module(recipe)
     cfg = GPTConfig(
         n_layer=recipe.n_layer, n_head=recipe.n_head, n_embd=recipe.n_embd, vocab_size=dm.vocab_size,
@@ -274,10 +286,12 @@ def _create(recipe: Recipe, directory: Path, logs: Path, command: str) -> dict:
     )  # fmt: skip
     L.seed_everything(recipe.seed, verbose=False)
     initial = GPT(cfg).state_dict()  # the seeded initialisation
+    if tuning is not None:
+        tuning.tuner.tick()  # the step is measured with the threads it will start with
     steps, train_seconds = plan(recipe, lightning_module(recipe, cfg, recipe.steps, None), dm, started)
     lit = lightning_module(recipe, cfg, steps, train_seconds)
     lit.model.load_state_dict(initial)
-    taken = train(recipe, lit, dm, steps, train_seconds, logs)
+    taken = train(recipe, lit, dm, steps, train_seconds, logs, callbacks=[tuning] if tuning else [])
     trained = time.perf_counter() - started
     compact = lit.model.eval().to(STORED_DTYPE).float()  # the values stored: the report measures these
     n_unseen = tokens.VOCAB_SIZE - dm.vocab_size
@@ -289,7 +303,7 @@ def _create(recipe: Recipe, directory: Path, logs: Path, command: str) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "machine": cpu_description(),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads() if tuning is None else "-".join(map(str, sorted(tuning.chosen))),
         "files": dm.n_files,
         "val_files": dm.n_val_files,
         "train_tokens": len(dm.train_ids),
@@ -364,7 +378,8 @@ class BuiltinOptions:
     seed: int = Recipe.seed
     """Seeds the initialisation, the data order and layer dropout."""
     threads: int | None = None
-    """Torch threads (default: the cores); the same seed and threads give the same weights."""
+    """Torch threads, fixed: the same seed and threads give the same weights (default: one per core
+    that other processes leave free, chosen again every few seconds; lab.threads)."""
     out: Path | None = None
     """Write the model here instead of the cache dir (lab/assets/builtin remakes the shipped one)."""
     force: bool = False

@@ -6,6 +6,9 @@ command runs, so ``blocklab --help`` is instant and the library does not load th
 Errors the user can fix (``lab.errors.UserError``, a path that is missing, a directory or not
 readable, ``SystemExit("message")``) end as one line, ``blocklab COMMAND: message``, and exit status
 2, like argparse's own; every other exception is a bug and keeps its traceback.
+
+Before a command's module is imported (and torch with it), OpenMP is told to wait without spinning
+(``lab.threads``): torch's threads would otherwise keep busy the cores that other processes need.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import sys
 import warnings
 
 from lab.errors import UserError
+from lab.threads import yield_while_waiting
 
 # name -> (module with main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"blocklab: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     _quiet_known_noise()
+    yield_while_waiting()  # before any command imports torch; the server's workers inherit it
     try:
         module = importlib.import_module(COMMANDS[name][0])
         return module.main([name, *rest]) or 0

@@ -40,7 +40,7 @@ from lab.blocks import BlockSet
 from lab.errors import UserError
 from lab.exit_probe import check_fits
 from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
-from lab.model import GPT, Block, KVCache, Linear, extend_cache
+from lab.model import GPT, ROWS_ALONE, Block, KVCache, Linear, extend_cache
 
 
 def stability(read_now: torch.Tensor, read_before: torch.Tensor) -> torch.Tensor:
@@ -105,8 +105,13 @@ class Decoder:
         self.lens = require_tuned_lens(model, self.block_set)  # None: exits read out as they are
         self.blocks = self.block_set.blocks_to_run(self.cfg.n_layer)
         self.runs = frozenset(self.blocks)
+        fast = model.fast  # lab.fast: a static-shape step where the set allows one
+        self.fast = fast if fast is not None and fast.takes(self.block_set) else None
         weight = model.wte.weight
-        self.cache = KVCache(self.cfg, max_len=max_len, device=weight.device, dtype=weight.dtype)
+        if self.fast is not None:
+            self.cache = self.fast.cache(self, max_len or self.cfg.block_size)  # a length bucket
+        else:
+            self.cache = KVCache(self.cfg, max_len=max_len, device=weight.device, dtype=weight.dtype)
         # adaptive exit: the prompt runs every block of the set (keys and values exact for all depths)
         bs = self.block_set
         self.prefill_set = BlockSet(skip=bs.skip, overwrite=bs.overwrite) if bs.is_adaptive else bs
@@ -147,6 +152,14 @@ class Decoder:
         logits, blocks_run = decode_rows(self.model, [self], [token])
         return logits[0], blocks_run[0]
 
+    def fast_step(self, token: int) -> tuple[torch.Tensor, list[int]]:
+        """``step`` through the model's fast step (``lab.fast``; ``decode_rows`` decides when)."""
+        if self.position >= self.cache.max_len:
+            raise ValueError(f"context full: {self.cache.max_len} positions")
+        logits = self.fast.step(self.blocks, self.block_set.overwrite, self.cache, token)  # [V]
+        self.cache.length += 1
+        return logits, list(self.blocks)
+
 
 @torch.inference_mode()
 def decode_rows(
@@ -161,8 +174,30 @@ def decode_rows(
     passes, and its deeper blocks get this position's keys and values from its exit state
     (``propagate_kv``); a ``lens=tuned`` row that left early is read out through the translator of
     its last block (``lab.lens.translator.translate_exits``: one D x D product, at the read-out only).
-    Under ``lab.model.rows_alone`` a row's logits are bit for bit those it gets alone.
+    Under ``lab.model.rows_alone`` a row's logits are bit for bit those it gets alone. A row whose
+    decoder has a fast step (``lab.fast``) takes it, alone, when it is the only row or under
+    ``rows_alone``; the others run together here.
     """
+    alone = len(decoders) == 1 or ROWS_ALONE.get()
+    fast = [b for b, d in enumerate(decoders) if alone and d.fast is not None and d.fast.ready()]
+    if not fast:
+        return _decode_together(model, decoders, tokens)
+    logits: list[torch.Tensor | None] = [None] * len(decoders)
+    blocks_run: list[list[int] | None] = [None] * len(decoders)
+    rest = [b for b in range(len(decoders)) if b not in fast]
+    if rest:
+        together = _decode_together(model, [decoders[b] for b in rest], [tokens[b] for b in rest])
+        for b, row_logits, row_blocks in zip(rest, *together, strict=True):
+            logits[b], blocks_run[b] = row_logits, row_blocks
+    for b in fast:
+        logits[b], blocks_run[b] = decoders[b].fast_step(tokens[b])
+    return torch.stack(logits), blocks_run
+
+
+def _decode_together(
+    model: GPT, decoders: list[Decoder], tokens: list[int]
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """``decode_rows``'s eager step: every row in one pass."""
     device = model.wte.weight.device
     B = len(decoders)
     positions = [decoder.position for decoder in decoders]

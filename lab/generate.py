@@ -40,6 +40,7 @@ from lab.model import GPT
 from lab.quantize import WeightDtype
 from lab.sampling import GREEDY, FinishReason, SamplingError, SamplingParams, pick_token, seeded_generator
 from lab.speculate import SpeculationStats, Speculator
+from lab.threads import ThreadTuner
 from lab.weights import load_model
 
 
@@ -337,7 +338,8 @@ class ScoreCommand:
     dtype: WeightDtype = "float32"
     """Weights: float32 | bfloat16 | float16, or int8 | int4 weight-only quantized (lab.quantize)."""
     threads: int | None = None
-    """torch CPU threads (default: torch's)."""
+    """torch CPU threads, fixed (default: one per core other processes leave free, chosen again every
+    few seconds; lab.threads)."""
     json: bool = False
     """Print one JSON object instead of text."""
 
@@ -365,7 +367,9 @@ def _read_text(args: ScoreCommand) -> str:
         return f.read()
 
 
-def _run_generate(model: GPT, block_set: BlockSet, args: GenerateCommand, text: str) -> dict:
+def _run_generate(
+    model: GPT, block_set: BlockSet, args: GenerateCommand, text: str, tuner: ThreadTuner | None
+) -> dict:
     prompt = tokens.encode(text, allow_endoftext=True)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     generation = generate(
@@ -379,6 +383,8 @@ def _run_generate(model: GPT, block_set: BlockSet, args: GenerateCommand, text: 
             times.append(time.perf_counter())
             steps.append(step)
             yield step.token
+            if tuner is not None:
+                tuner.tick()
 
     for piece in tokens.text_pieces(generated_tokens()):
         if not args.json:
@@ -402,7 +408,11 @@ def _run_generate(model: GPT, block_set: BlockSet, args: GenerateCommand, text: 
     }
 
 
-def _run_score(model: GPT, block_set: BlockSet, args: ScoreCommand, text: str) -> dict:
+def _run_score(
+    model: GPT, block_set: BlockSet, args: ScoreCommand, text: str, tuner: ThreadTuner | None
+) -> dict:
+    if tuner is not None:
+        tuner.tick()
     ids = tokens.encode(text, allow_endoftext=True)
     limit = model.config.block_size + 1
     if len(ids) > limit:
@@ -444,6 +454,7 @@ def main(argv: list[str]) -> int:
         raise UserError("give the text as --prompt TEXT or --file PATH, one of them")
     if args.threads:
         torch.set_num_threads(args.threads)
+    tuner = None if args.threads else ThreadTuner()  # its first window: the model's loading
     text = _read_text(args)  # before the model loads: a wrong path fails at once
     model = load_model(args.model, args.dtype)
     try:
@@ -451,7 +462,7 @@ def main(argv: list[str]) -> int:
     except ValueError as error:
         raise UserError(f"--blocks: {error}") from None
     run = _run_generate if command == "generate" else _run_score
-    result = run(model, block_set, args, text)
+    result = run(model, block_set, args, text, tuner)
     if args.json:
         print(json.dumps(result))
     else:

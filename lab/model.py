@@ -109,9 +109,10 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
     return nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
 
 
-def extend_cache(
-    cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, pos: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+LayerCache = tuple[torch.Tensor, torch.Tensor]  # one block's keys and values, [B, H, T_max, Dh] each
+
+
+def extend_cache(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, pos: int) -> LayerCache:
     """Write keys and values k, v [B, H, T, Dh] at positions pos.. of one block's cache ([B, H, T_max,
     Dh] each); the keys and values of positions 0..pos+T-1, [B, H, S, Dh] each (views)."""
     k_cache, v_cache = cache
@@ -119,6 +120,19 @@ def extend_cache(
     k_cache[:, :, pos : pos + T] = k
     v_cache[:, :, pos : pos + T] = v
     return k_cache[:, :, : pos + T], v_cache[:, :, : pos + T]
+
+
+def attend_static(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, pos: torch.Tensor
+) -> torch.Tensor:
+    """The newest token's attention over a static cache: q, k, v [B, H, 1, Dh] at position pos [1], a
+    tensor. k and v are written there and every slot of the cache is read, those after pos masked, so
+    the shapes do not change with the position (``lab.fast`` compiles or captures one graph for all)."""
+    k_cache, v_cache = cache  # [B, H, T_max, Dh] each
+    k_cache.index_copy_(2, pos, k)
+    v_cache.index_copy_(2, pos, v)
+    allowed = (torch.arange(k_cache.size(2), device=q.device) <= pos)[None]  # [1, T_max]
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=allowed)  # [B, H, 1, Dh]
 
 
 class CausalSelfAttention(nn.Module):
@@ -140,12 +154,12 @@ class CausalSelfAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        pos: int | list[int] = 0,
+        cache: LayerCache | list[LayerCache] | None = None,
+        pos: int | list[int] | torch.Tensor = 0,
     ) -> torch.Tensor:
-        """``cache`` as a list: one cache per row ([1, H, T_max, Dh] each), each row at its own position
-        ``pos[b]``: rows of different sequences decoded together (``lab.decode.decode_rows``).
-        """
+        """``cache`` as a list: one per row ([1, H, T_max, Dh] each), row b at position ``pos[b]`` (rows of
+        different sequences decoded together, ``lab.decode.decode_rows``). ``pos`` as a tensor [1]: one
+        token over a static cache (``attend_static``)."""
         B, T, D = x.shape
         H, Dh = self.n_head, self.head_dim
         qkv = self.qkv(self.c_attn(x))  # [B, T, 3D]
@@ -153,50 +167,37 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
         k = k.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
         v = v.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
-        if isinstance(cache, list):
+        if isinstance(cache, list):  # each row over its own cache, the same call whatever shares the step
             rows = [
-                self._attend_alone(q[b : b + 1], k[b : b + 1], v[b : b + 1], cache[b], pos[b])
+                self._attend(q[b : b + 1], *extend_cache(cache[b], k[b : b + 1], v[b : b + 1], pos[b]))
                 for b in range(B)
             ]
             y = torch.cat(rows)  # [B, H, T, Dh]
-            return self.resid_dropout(self.c_proj(self.z(y.transpose(1, 2).reshape(B, T, D))))  # [B, T, D]
-        if cache is not None:
-            k, v = extend_cache(cache, k, v, pos)  # [B, H, S, Dh], S = pos + T
-        S = k.size(2)
-        dropout = self.dropout if self.training else 0.0
-
-        # Query t sits at position S - T + t and may read keys 0..S - T + t.
-        eager = self.attention == "eager" or self.scores.is_hooked or self.pattern.is_hooked
-        if eager:
-            scores = (q @ k.transpose(-2, -1)) / math.sqrt(Dh)  # [B, H, T, S]
-            allowed = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)  # [T, S]
-            scores = self.scores(scores.masked_fill(~allowed, float("-inf")))
-            pattern = self.pattern(F.softmax(scores, dim=-1))  # [B, H, T, S]
-            y = F.dropout(pattern, dropout, self.training) @ v  # [B, H, T, Dh]
-        elif T == 1:
-            y = F.scaled_dot_product_attention(q, k, v)  # [B, H, 1, Dh]: the newest token sees all
-        elif T == S:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        elif isinstance(pos, torch.Tensor):
+            y = attend_static(q, k, v, cache, pos)  # [B, H, 1, Dh]
         else:
-            allowed = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout)
+            if cache is not None:
+                k, v = extend_cache(cache, k, v, pos)  # [B, H, S, Dh], S = pos + T
+            y = self._attend(q, k, v)  # [B, H, T, Dh]
         y = self.z(y.transpose(1, 2).reshape(B, T, D))  # [B, T, D]
         return self.resid_dropout(self.c_proj(y))  # [B, T, D]
 
-    @staticmethod
-    def _attend_alone(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], pos: int
-    ) -> torch.Tensor:
-        """One row's attention over its own cache: q, k, v [1, H, T, Dh] at positions pos..pos+T-1.
-
-        The same call whatever other rows share the step, so a row's values never depend on them.
-        """
-        T = q.size(2)
-        k, v = extend_cache(cache, k, v, pos)  # [1, H, S, Dh], S = pos + T
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, H, T, Dh] over k, v [B, H, S, Dh]; query t (position S - T + t) reads keys 0..S - T + t."""
+        T, S, Dh = q.size(2), k.size(2), q.size(3)
+        dropout = self.dropout if self.training else 0.0
+        if self.attention == "eager" or self.scores.is_hooked or self.pattern.is_hooked:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(Dh)  # [B, H, T, S]
+            allowed = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)  # [T, S]
+            scores = self.scores(scores.masked_fill(~allowed, float("-inf")))
+            pattern = self.pattern(F.softmax(scores, dim=-1))  # [B, H, T, S]
+            return F.dropout(pattern, dropout, self.training) @ v  # [B, H, T, Dh]
         if T == 1:
-            return F.scaled_dot_product_attention(q, k, v)  # [1, H, 1, Dh]: the newest token sees all
-        allowed = torch.ones(T, pos + T, dtype=torch.bool, device=q.device).tril(diagonal=pos)  # [T, S]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [1, H, T, Dh]
+            return F.scaled_dot_product_attention(q, k, v)  # [B, H, 1, Dh]: the newest token sees all
+        if T == S:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        allowed = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout)
 
 
 class MLP(nn.Module):
@@ -261,8 +262,8 @@ class Block(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        pos: int | list[int] = 0,
+        cache: LayerCache | list[LayerCache] | None = None,
+        pos: int | list[int] | torch.Tensor = 0,
         overwrite: bool | torch.Tensor = False,
     ) -> torch.Tensor:
         """``cache`` and ``pos``: see ``CausalSelfAttention.forward``."""
@@ -307,7 +308,7 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)  # [L, B, H, T_max, Dh]
         self.length = 0  # positions filled so far
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, i: int) -> LayerCache:
         return self.k[i], self.v[i]  # [B, H, T_max, Dh] each
 
 
@@ -335,6 +336,7 @@ class GPT(nn.Module):
         self.register_buffer("logit_bias", torch.zeros(cfg.vocab_size) if cfg.logit_bias else None)
         self.exit_probe = None  # lab.exit_probe.ExitProbe: adaptive exit's learned check, fitted per model
         self.tuned_lens = None  # lab.lens.TunedLens: the translators lens=tuned exits read through
+        self.fast = None  # lab.fast.FastDecode: compiled or captured decode steps, once lab.fast.accelerate
         self.apply(self._init_weights)
         if cfg.norm == "deepnorm":
             for block in self.blocks:

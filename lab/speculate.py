@@ -47,6 +47,8 @@ class Speculator:
         self.model = model
         self.k = block_set.draft_tokens
         self.decoder = Decoder(model, block_set.without_speculation(), max_len=max_len)
+        if model.fast is not None:  # rounds run several positions at once, eagerly (lab.fast says so)
+            model.fast.takes(block_set)
         self.draft_blocks = [i for i in self.decoder.blocks if i < block_set.speculate]
         self.verify_blocks = [i for i in self.decoder.blocks if i >= block_set.speculate]
         self.lens = require_tuned_lens(model, block_set)  # the drafts' read-out (None: the logit lens)

@@ -32,6 +32,7 @@ from lab.errors import UserError
 from lab.gradients import block_grad_norms, block_weights, update_ratios
 from lab.model import GPT
 from lab.optim import muon_adamw
+from lab.threads import ThreadTuner
 
 TINY = GPTConfig()  # the dataclass's defaults: a tiny valid model
 
@@ -349,6 +350,26 @@ class LitGPT(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.nonfinite_steps = checkpoint.get("nonfinite_steps", 0)
+
+
+class FreeCoreThreads(L.Callback):
+    """torch's threads re-chosen every few seconds of training from the cores other processes leave
+    free (``lab.threads.ThreadTuner``): a run that another job joins halfway keeps its pace instead
+    of waiting at every step for a thread that shares that job's core."""
+
+    def __init__(self, tuner: ThreadTuner | None = None):
+        self.tuner = tuner  # one already measuring (its window started earlier), or made at the start
+        self.chosen: set[int] = set()  # every thread count the run used
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.tuner = self.tuner or ThreadTuner()
+        self.tuner.tick()
+        self.chosen.add(torch.get_num_threads())
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        threads = self.tuner.tick()
+        if threads is not None:
+            self.chosen.add(threads)
 
 
 # The data is an endless random-window stream (lab.data): there are no epochs, so validation runs every

@@ -249,6 +249,31 @@ def _load_hf_dir(directory: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     return cfg, _from_hf_names(_read_hf_weights(directory))
 
 
+def save_hf_dir(model: GPT, directory: str | Path) -> Path:
+    """Write a plain GPT-2 ``model`` as a Hugging Face GPT2LMHeadModel directory with GPT-2's tokenizer
+    (``lab.tokens.write_hf_tokenizer``), for other engines' converters (llama.cpp's
+    convert_hf_to_gguf.py); ``load_model`` reads it back. Only what GPT-2's config can say is kept:
+    pre-LN LayerNorm, biases, no logit bias or quantization."""
+    cfg = model.config
+    plain = (cfg.norm, cfg.norm_type, cfg.bias, cfg.logit_bias) == ("pre", "layer", True, False)
+    if not plain or model.read_out is not None:
+        raise UserError("save_hf_dir: only a plain GPT-2 (pre-LN LayerNorm, biases, fp weights) converts")
+    directory = tokens.write_hf_tokenizer(directory)
+    config = {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "activation_function": "gelu_new",
+        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "layer_norm_epsilon": cfg.layer_norm_eps,
+        "bos_token_id": tokens.EOT, "eos_token_id": tokens.EOT, "tie_word_embeddings": True,
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    state = {
+        "transformer." + name.replace("blocks.", "h.", 1): tensor.detach().float().contiguous().cpu()
+        for name, tensor in model.state_dict().items()
+    }
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
 def _download_hf(repo_id: str) -> Path:
     """A local snapshot of a hub repo's config and weights: the cached one, else downloaded."""
     from huggingface_hub import snapshot_download

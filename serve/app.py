@@ -38,6 +38,7 @@ from lab import flags
 from lab.blocks import BlockSet
 from lab.errors import UserError
 from lab.quantize import WeightDtype
+from lab.threads import allowed_cores, yield_while_waiting
 from lab.weights import locate
 from serve import http_front, openai_compat
 from serve.connections import DeadlineH11Protocol
@@ -75,8 +76,8 @@ class ServeConfig:
     workers: int = 1
     """Inference workers per device, each with its own copy of the model."""
     threads: int | None = None
-    """torch threads per worker (default: the cores but one, for the HTTP side, divided among the
-    workers). Too many hurts far more than too few: torch's threads spin while they wait."""
+    """torch threads per worker, fixed (default: chosen again every few seconds from the cores other
+    processes leave free, at most this process's cores divided among the workers; lab.threads)."""
     max_batch_size: int = 8
     """Most requests one worker runs together (rows of every block set share each decode step)."""
     batch_timeout: float = 0.0
@@ -186,7 +187,8 @@ def build(config: ServeConfig, model_factory: ModelFactory | None = None) -> Ser
         queue_timeout=config.queue_timeout,
         prefill_chunk=config.prefill_chunk,
         batch_invariant=config.batch_invariant,
-        threads=config.threads or max(1, ((os.cpu_count() or 1) - 1) // config.workers),
+        threads=config.threads,
+        max_threads=max(1, len(allowed_cores()) // config.workers),
     )
     accelerator = "cpu" if config.dtype in ("int8", "int4") else config.accelerator  # CPU kernels
     pool = LitServePool(
@@ -309,6 +311,7 @@ def main(argv: list[str], model_factory: ModelFactory | None = None) -> int:
     key_rule.warn_if_open(config.host, config.api_key, logger)
     if model_factory is None:  # a missing model fails here in one line, not in every worker
         locate(config.model)
+    yield_while_waiting()  # for the workers, which import torch after this (lab.cli did it for blocklab)
     try:
         serve(config, model_factory)
     except KeyboardInterrupt:

@@ -30,6 +30,7 @@ from queue import Empty
 import torch
 
 from lab.model import GPT
+from lab.threads import ThreadTuner
 from serve.engine import Engine
 from serve.schema import Job, error_event
 from serve.shared import SharedState
@@ -84,6 +85,7 @@ class Worker:
         batch_timeout: float = 0.0,
         queue_timeout: float = float("inf"),
         threads: int | None = None,
+        max_threads: int | None = None,
         prefill_chunk: int = 64,
         batch_invariant: bool = True,
     ):
@@ -93,6 +95,8 @@ class Worker:
         self.batch_timeout = batch_timeout
         self.queue_timeout = queue_timeout
         self.threads = threads
+        self.max_threads = max_threads
+        self.tuner: ThreadTuner | None = None  # threads=None: chosen from the free cores as the load changes
         self.prefill_chunk = prefill_chunk
         self.batch_invariant = batch_invariant
 
@@ -103,9 +107,15 @@ class Worker:
         # flight: the server drains first, then kills the workers itself.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.choose_threads(device)
+        self.load(device)
+
+    def choose_threads(self, device: str) -> None:
+        """``threads`` fixed, or on the CPU a tuner that ``serve`` ticks (its first window: the loading)."""
         if self.threads:
             torch.set_num_threads(self.threads)
-        self.load(device)
+        elif torch.device(device).type == "cpu":
+            self.tuner = ThreadTuner(most=self.max_threads)
 
     def load(self, device: str) -> None:
         """The model and its engine in this process (``setup`` without the worker's process setup)."""
@@ -134,6 +144,8 @@ class Worker:
                     open_ = self._admit(inbox.get_nowait(), outbox)
                 except Empty:
                     break
+            if self.tuner is not None:
+                self.tuner.tick()  # every few seconds: threads for the cores other processes leave
             try:
                 for events in engine.tick_parts():  # each part's events leave at once
                     for ticket, event in events:

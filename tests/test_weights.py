@@ -52,6 +52,29 @@ def test_hf_logits_match(tmp_path, idx, attention, serialization):
     assert (got - expected).abs().max() <= 1e-4
 
 
+def test_save_hf_dir_is_what_transformers_and_load_model_read(tmp_path, idx):
+    """Our GPT-2 written as a Hugging Face directory (for other engines' converters): transformers
+    gives its logits, load_model reads it back exactly, and the tokenizer files are beside it."""
+    ours = load_model(str(_saved_reference(tmp_path / "reference")))
+    written = weights.save_hf_dir(ours, tmp_path / "written")
+    assert {"config.json", "model.safetensors", "vocab.json", "merges.txt"} <= {
+        p.name for p in written.iterdir()
+    }
+    assert json.loads((written / "config.json").read_text())["n_ctx"] == HF_CONFIG["n_positions"]
+    with torch.no_grad():
+        expected = ours(idx)
+        assert torch.equal(load_model(str(written))(idx), expected)
+        theirs = transformers.GPT2LMHeadModel.from_pretrained(written).eval()
+        assert (theirs(idx).logits - expected).abs().max() <= 1e-4
+    with pytest.raises(UserError, match="plain GPT-2"):
+        weights.save_hf_dir(GPT(GPTConfig(norm="post")), tmp_path / "post")
+
+
+def _saved_reference(directory):
+    hf_model("sdpa").save_pretrained(directory)
+    return directory
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_hf_kv_cache_decode_matches(tmp_path, idx, attention):
     """A prefill then one decode step: HF's own cache vs ours."""

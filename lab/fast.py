@@ -1,0 +1,233 @@
+"""Fast decode steps: one sequence's step with static shapes, compiled (CPU) or captured (CUDA graphs).
+
+    model = lab.weights.load_model("gpt2-random")
+    lab.fast.accelerate(model)          # every Decoder of this model now steps through it where it can
+    blocklab generate --compile ...     # the same from the command line (serve and bench_decode too)
+
+A decode step at batch 1 is a few hundred small kernel calls; on a GPU each costs a launch, on a CPU
+a trip through Python and torch's dispatcher. gpt-fast's approach removes that cost by giving the step
+static shapes: the KV cache is preallocated to a length bucket (``bucket``: a power of two, at most
+the context), the new position is a tensor rather than a Python int, the keys and values are written
+at it with ``index_copy_`` and attention reads every slot of the bucket with a mask up to the
+position (``lab.model.attend_static``). Then one step's work is the same graph at every position:
+
+- on the CPU, ``torch.compile`` (inductor) turns it into generated C++ (``INDUCTOR_OPTIONS``),
+  compiled once per length bucket and block set, and kept on disk (``TORCHINDUCTOR_CACHE_DIR``,
+  here under the blocklab cache dir, with inductor's FX graph cache) so a restart reloads it;
+- on a GPU, the step is captured in a CUDA graph (``GraphedStep``) on static input buffers and a
+  static cache (``CacheSlots``: decoders borrow a bucket's cache and give it back when collected),
+  and each step is one replay.
+
+What takes the fast path: one row's step under a fixed block set (``skip``, ``keep``, ``overwrite``,
+``exit`` and their combinations; each combination is its own graph). What falls back to the eager
+step, saying so once (``FastDecode.fallbacks`` counts it): adaptive exit (it decides after each block,
+on the host), self-speculation's draft and verification passes (several positions at once; its plain
+steps do take the fast path), exits read through the tuned lens (``lens=tuned``), any step while a
+hook is registered (``lab.hooks``: the hooks see the eager step's tensors), and steps of many rows without ``lab.model.rows_alone`` (one batched product
+reads the weights once; under ``rows_alone`` each row takes its own fast step, which is
+batch-invariant by construction). The fast step's logits equal the eager step's up to rounding
+(tests/test_fast.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from lab.blocks import BlockSet
+from lab.model import GPT, KVCache
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["compile", "graphs"]
+"""How the static step runs: compiled by inductor, or captured once and replayed (CUDA graphs)."""
+
+INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+"""Inductor's settings for the CPU step: the weights become constants of the graph (freezing lets
+inductor lay them out for its kernels), and the generated code is called from C++, not Python."""
+
+SMALLEST_BUCKET = 64
+"""The shortest cache a fast decoder gets: attention over a few masked slots costs nothing."""
+
+
+def bucket(max_len: int, block_size: int) -> int:
+    """The cache length a fast decoder of ``max_len`` positions gets: the power of two at or above it
+    (at least ``SMALLEST_BUCKET``), at most ``block_size``. Few lengths, so few compiled graphs, and
+    attention reads at most twice the slots it needs."""
+    length = SMALLEST_BUCKET
+    while length < max_len:
+        length *= 2
+    return min(length, block_size)
+
+
+def static_step(
+    model: GPT,
+    blocks: tuple[int, ...],
+    overwrite: frozenset[int],
+    idx: torch.Tensor,
+    pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step with static shapes: token idx [1, 1] at position pos [1] (a tensor, so every
+    position runs the same graph) through ``blocks``, writing keys and values into the caches
+    [L, 1, H, T_max, Dh]; the logits [1, V]. The caller checks that pos is inside the cache."""
+    x = model.embed(model.wte(idx) + model.wpe(pos))  # [1, 1, D]; dropout is off in eval
+    for i in blocks:
+        x = model.blocks[i](x, (k_cache[i], v_cache[i]), pos, overwrite=i in overwrite)  # [1, 1, D]
+    return model.unembed(x)[:, -1]  # [1, V]
+
+
+def eager_reason(block_set: BlockSet) -> str | None:
+    """Why a decoder under ``block_set`` cannot take the fast step (None: it can)."""
+    if block_set.is_adaptive:
+        return "adaptive exit decides after each block, on the host"
+    if block_set.is_speculative:
+        return "self-speculation drafts and verifies several positions per round"
+    if block_set.lens == "tuned":
+        return "lens=tuned reads its exit out through a translator the static step does not hold"
+    return None
+
+
+def cuda_capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+    """``fn`` run on a side stream to warm up, then captured in a CUDA graph: its output (a static
+    tensor the replays write into) and the replay. fn's inputs must stay where they are."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # cuBLAS and the allocator set up outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = fn()
+    return output, graph.replay
+
+
+def eager_capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+    """``cuda_capture``'s contract without a GPU (tests): the output buffer of a first run, and a
+    replay that runs ``fn`` again into it."""
+    output = fn()
+    return output, lambda: output.copy_(fn())
+
+
+class GraphedStep:
+    """``fn(*inputs)`` captured once on static copies of its inputs: each call copies the new inputs
+    into them, replays, and returns the static output (read it before the next call)."""
+
+    def __init__(
+        self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], capture=cuda_capture
+    ):
+        self.inputs = tuple(x.clone() for x in inputs)
+        self.output, self.replay = capture(lambda: fn(*self.inputs))
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        for static, x in zip(self.inputs, inputs, strict=True):
+            static.copy_(x)
+        self.replay()
+        return self.output
+
+
+class CacheSlots:
+    """Static KV caches a graph was captured on, one pool per length bucket: a decoder borrows one
+    and it returns to the pool when the decoder is collected."""
+
+    def __init__(self, model: GPT):
+        self.model = model
+        self.free: dict[int, list[KVCache]] = {}
+
+    def borrow(self, owner: object, length: int) -> KVCache:
+        pool = self.free.setdefault(length, [])
+        weight = self.model.wte.weight
+        cache = pool.pop() if pool else KVCache(self.model.config, 1, length, weight.device, weight.dtype)
+        cache.length = 0
+        weakref.finalize(owner, pool.append, cache)
+        return cache
+
+
+def _compile_cache_dir() -> Path:
+    """Where inductor keeps what it compiled (``TORCHINDUCTOR_CACHE_DIR`` if set): beside the models."""
+    from lab.weights import cache_root
+
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", cache_root() / "inductor"))
+
+
+class FastDecode:
+    """A model's fast decode steps (see the module docstring); ``accelerate`` attaches one."""
+
+    def __init__(self, model: GPT, mode: Mode | None = None, capture=cuda_capture):
+        self.model = model
+        self.device = model.wte.weight.device
+        self.mode = mode or ("graphs" if self.device.type == "cuda" else "compile")
+        self.graphs = self.mode == "graphs"
+        self.capture = capture  # graphs: how a step is captured (eager_capture replays it on a CPU)
+        self.slots = CacheSlots(model)
+        self.steps: dict[tuple, Callable[..., torch.Tensor]] = {}
+        self.fallbacks: Counter[str] = Counter()
+        self.modules = list(model.modules())
+        if not self.graphs:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_compile_cache_dir()))
+            # one graph per length bucket and block set: more than dynamo's default of 8 per function
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+    def takes(self, block_set: BlockSet) -> bool:
+        """Whether decoders under ``block_set`` take the fast step; if not, says why (once per reason)."""
+        reason = eager_reason(block_set)
+        if reason is not None:
+            self.fell_back(reason)
+        return reason is None
+
+    def fell_back(self, reason: str) -> None:
+        if not self.fallbacks[reason]:
+            logger.info("fast decode falls back to the eager step: %s", reason)
+        self.fallbacks[reason] += 1
+
+    def cache(self, owner: object, max_len: int) -> KVCache:
+        """A cache for a fast decoder (``owner``) of ``max_len`` positions, bucket-long: a borrowed
+        static one where steps are CUDA graphs."""
+        length = bucket(max_len, self.model.config.block_size)
+        if self.graphs:
+            return self.slots.borrow(owner, length)
+        weight = self.model.wte.weight
+        return KVCache(self.model.config, 1, length, weight.device, weight.dtype)
+
+    def ready(self) -> bool:
+        """False while any hook is registered on the model (its step then runs eager, said once)."""
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+        if hooked:
+            self.fell_back("a hook is registered (hooks see the eager step's tensors)")
+        return not hooked
+
+    @torch.inference_mode()
+    def step(self, blocks: list[int], overwrite: frozenset[int], cache: KVCache, token: int) -> torch.Tensor:
+        """One fast step of ``token`` at ``cache.length``: the logits [V] (the caller moves the length)."""
+        idx = torch.tensor([[token]], device=self.device)  # [1, 1]
+        pos = torch.tensor([cache.length], device=self.device)  # [1]
+        key = (tuple(blocks), overwrite, cache.max_len, id(cache) if self.graphs else None)
+        run = self.steps.get(key)
+        if run is None:
+            run = self.steps[key] = self._build(key[0], overwrite, cache, idx, pos)
+        if self.graphs:
+            return run(idx, pos)[0].clone()  # the graph's output is overwritten by the next replay
+        return run(idx, pos, cache.k, cache.v)[0]
+
+    def _build(self, blocks, overwrite, cache, idx, pos) -> Callable[..., torch.Tensor]:
+        step = functools.partial(static_step, self.model, blocks, overwrite)
+        if self.graphs:  # the cache is static: captured in place; token and position are copied in
+            return GraphedStep(lambda i, p: step(i, p, cache.k, cache.v), (idx, pos), self.capture)
+        return torch.compile(step, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
+
+
+def accelerate(model: GPT, mode: Mode | None = None, capture=cuda_capture) -> GPT:
+    """Give ``model`` fast decode steps (``FastDecode``), in place; returns it. ``mode``: "compile"
+    (inductor) or "graphs" (captured steps); default: graphs on CUDA, compile elsewhere."""
+    model.fast = FastDecode(model, mode, capture)
+    return model

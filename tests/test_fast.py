@@ -1,0 +1,157 @@
+"""lab.fast: the static-shape decode step equals the eager one for every block-set kind that takes it,
+the others fall back and say so, rows stay batch-invariant, and the capture wrapper replays in place.
+
+On a CPU the graph path runs with ``eager_capture`` (the wrapper's logic without a GPU); the inductor
+path is slow to compile and runs under ``slow``; the CUDA graphs themselves under ``gpu``.
+"""
+
+import gc
+
+import pytest
+import torch
+
+from lab import fast, tokens
+from lab.blocks import BlockSet
+from lab.decode import Decoder, decode_rows
+from lab.generate import generate
+from lab.hooks import capture
+from lab.model import rows_alone
+from lab.sampling import SamplingParams
+from tests.tiny import TinyModel
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N_LAYER = 4
+PROMPT = tokens.encode("The quick brown fox jumps over")
+FAST_KINDS = ["all", "skip=1", "keep=0,2", "exit=2", "overwrite=1", "skip=0;exit=3;overwrite=2"]
+EAGER_KINDS = ["adaptive=0.9;min=2", "speculate=2;k=3", "exit=2;lens=tuned"]
+
+
+def tiny(device="cpu"):
+    return TinyModel(n_layer=N_LAYER, n_embd=64, n_head=4, tuned_lens=True)(device)
+
+
+def accelerated(device="cpu"):
+    if device == "cpu":  # the capture wrapper's logic without a GPU
+        return fast.accelerate(tiny(device), "graphs", capture=fast.eager_capture)
+    return fast.accelerate(tiny(device))
+
+
+def logits_of(model, spec: str, steps: int = 5) -> torch.Tensor:
+    """The prefill's logits, then those of ``steps`` greedy steps: [steps + 1, V]."""
+    decoder = Decoder(model, BlockSet.parse(spec, N_LAYER), max_len=len(PROMPT) + steps + 1)
+    out = [decoder.prefill(PROMPT)]
+    for _ in range(steps):
+        logits, _ = decoder.step(int(out[-1].argmax()))
+        out.append(logits)
+    return torch.stack(out)
+
+
+def test_bucket_is_a_power_of_two_up_to_the_context():
+    assert [fast.bucket(n, 1024) for n in (1, 64, 65, 200, 1000)] == [64, 64, 128, 256, 1024]
+    assert fast.bucket(100, 96) == 96
+
+
+@pytest.mark.parametrize("spec", FAST_KINDS)
+def test_the_fast_step_equals_the_eager_step(spec):
+    eager, quick = tiny(), accelerated()
+    expected, got = logits_of(eager, spec), logits_of(quick, spec)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+    assert quick.fast.steps and not quick.fast.fallbacks  # it did take the fast step
+
+
+@pytest.mark.parametrize("spec", EAGER_KINDS)
+def test_kinds_that_cannot_take_it_fall_back_and_say_so(spec, caplog):
+    eager, quick = tiny(), accelerated()
+    block_set = BlockSet.parse(spec, N_LAYER)
+    with caplog.at_level("INFO", logger="lab.fast"):
+        got = [s.token for s in generate(quick, PROMPT, 6, block_set=block_set)]
+    assert got == [s.token for s in generate(eager, PROMPT, 6, block_set=block_set)]
+    assert set(quick.fast.fallbacks) == {fast.eager_reason(block_set)}
+    assert "falls back to the eager step" in caplog.text
+
+
+def test_a_hook_sends_the_step_to_the_eager_path_and_sees_its_tensors():
+    quick = accelerated()
+    decoder = Decoder(quick, max_len=len(PROMPT) + 2)
+    token = int(decoder.prefill(PROMPT).argmax())
+    with capture(quick, "blocks.1.resid_post") as seen:
+        logits, _ = decoder.step(token)
+    assert seen["blocks.1.resid_post"].shape == (1, 1, 64)
+    assert any("hook" in reason for reason in quick.fast.fallbacks)
+    eager = Decoder(tiny(), max_len=len(PROMPT) + 2)
+    eager.prefill(PROMPT)
+    torch.testing.assert_close(logits, eager.step(token)[0])
+
+
+def test_sampled_generation_is_the_eager_one():
+    sampling = SamplingParams(temperature=0.8, top_k=20, seed=3)
+    runs = [[s.token for s in generate(m, PROMPT, 8, sampling)] for m in (tiny(), accelerated())]
+    assert runs[0] == runs[1]
+
+
+def test_under_rows_alone_every_row_is_bit_for_bit_its_logits_alone():
+    """Fast rows step alone and the others together: a row's logits never depend on its batch mates."""
+    model = accelerated()
+    specs = ["all", "adaptive=0.5", "exit=3", "skip=1", "all", "adaptive=0.9;min=2"]
+
+    def decoders() -> list[Decoder]:
+        made = []
+        for i, spec in enumerate(specs):
+            decoder = Decoder(model, BlockSet.parse(spec, N_LAYER), max_len=40)
+            decoder.prefill(PROMPT[: 2 + i])
+            made.append(decoder)
+        return made
+
+    fed = [tokens.encode(" fox")[0] + i for i in range(len(specs))]
+    with rows_alone():
+        together, blocks_run = decode_rows(model, decoders(), fed)
+        for b, decoder in enumerate(decoders()):
+            by_itself, its_blocks = decode_rows(model, [decoder], [fed[b]])
+            assert torch.equal(together[b], by_itself[0]), specs[b]
+            assert blocks_run[b] == its_blocks[0]
+
+
+def test_the_graphed_step_replays_into_one_output_on_fresh_inputs():
+    calls = []
+
+    def doubled(x):
+        calls.append(x.clone())
+        return x * 2
+
+    step = fast.GraphedStep(doubled, (torch.tensor([1.0]),), capture=fast.eager_capture)
+    first = step(torch.tensor([3.0]))
+    assert first.tolist() == [6.0]
+    second = step(torch.tensor([5.0]))
+    assert second is first and second.tolist() == [10.0]  # the static output, written in place
+    assert [c.item() for c in calls] == [1.0, 3.0, 5.0]  # captured on the example, then replayed
+
+
+def test_a_decoders_static_cache_returns_to_the_pool_when_it_is_collected():
+    model = accelerated()
+    decoder = Decoder(model, max_len=10)
+    cache = decoder.cache
+    assert cache.max_len == fast.bucket(10, model.config.block_size)
+    decoder.prefill(PROMPT)
+    del decoder
+    gc.collect()
+    again = Decoder(model, max_len=20)  # the same bucket: the same buffers, which the graphs hold
+    assert again.cache is cache and again.cache.length == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["all", "exit=2;overwrite=1"])
+def test_the_compiled_cpu_step_equals_the_eager_step(spec, tmp_path, monkeypatch):
+    """inductor's C++ for the step (cached on disk under TORCHINDUCTOR_CACHE_DIR)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    quick = fast.accelerate(tiny(), "compile")
+    torch.testing.assert_close(logits_of(quick, spec), logits_of(tiny(), spec), atol=1e-5, rtol=1e-5)
+    assert quick.fast.steps and any(tmp_path.iterdir())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", FAST_KINDS + EAGER_KINDS)
+def test_cuda_graph_steps_equal_the_eager_cuda_steps(spec):
+    eager, quick = tiny("cuda"), accelerated("cuda")
+    torch.testing.assert_close(logits_of(quick, spec, 8), logits_of(eager, spec, 8), atol=1e-4, rtol=1e-4)
