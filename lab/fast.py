@@ -25,8 +25,8 @@ on the host), self-speculation's draft and verification passes (several position
 steps do take the fast path), exits read through the tuned lens (``lens=tuned``), any step while a
 hook is registered (``lab.hooks``: the hooks see the eager step's tensors), and steps of many rows
 without ``lab.model.rows_alone`` (one batched product reads the weights once; under ``rows_alone``
-each row takes its own fast step, which is batch-invariant by construction). The fast step's logits equal the eager step's up to rounding
-(tests/test_fast.py).
+each row takes its own fast step, which is batch-invariant by construction). The fast step's
+logits equal the eager step's up to rounding (tests/test_fast.py).
 """
 
 from __future__ import annotations
