@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from lab import tokens
+from lab import fast, tokens
 from lab.blocks import BlockSet
 from lab.decode import Decoder, decode_rows, exit_score, require_exit_probe
 from lab.errors import UserError
@@ -356,6 +356,9 @@ class GenerateCommand(ScoreCommand):
     """Draw from the k most likely tokens only."""
     seed: int | None = None
     """Seed of the draws (default: a fresh random one)."""
+    compile: bool = False
+    """Decode through lab.fast's static-shape step: inductor's code on the CPU, CUDA graphs on a GPU.
+    A block set's first run compiles it (slow; kept on disk, so later runs load it)."""
 
 
 def _read_text(args: ScoreCommand) -> str:
@@ -457,6 +460,8 @@ def main(argv: list[str]) -> int:
     tuner = None if args.threads else ThreadTuner()  # its first window: the model's loading
     text = _read_text(args)  # before the model loads: a wrong path fails at once
     model = load_model(args.model, args.dtype)
+    if command == "generate" and args.compile:
+        fast.accelerate(model)
     try:
         block_set = BlockSet.parse(args.blocks, model.config.n_layer)
     except ValueError as error:

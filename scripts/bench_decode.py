@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lab import flags, tokens
+from lab import fast, flags, tokens
 from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
 from lab.decode import Decoder, stability
@@ -205,10 +205,13 @@ def builtin_quality(name: str = "builtin") -> dict | None:
     }
 
 
-def decode_ms(models: dict[str, GPT], prompt: list[int], tokens: int, rounds: int) -> tuple[dict, float]:
+def decode_ms(
+    models: dict[str, GPT], prompt: list[int], tokens: int, rounds: int, compiled: dict[str, GPT]
+) -> tuple[dict, float]:
     """ms/token of every configuration (transformers fp32, ours in each dtype, ours fp32 with the adaptive
-    check after every block and with k blocks skipped), the median over ``rounds`` rounds each timing
-    every configuration once; and the largest logit difference between transformers and ours."""
+    check after every block and with k blocks skipped, and each of ``compiled``: ours in that dtype
+    through lab.fast), the median over ``rounds`` rounds each timing every configuration once; and the
+    largest logit difference between transformers and ours."""
     ours = models["float32"]
     hf = hf_twin(ours)
     with torch.inference_mode():  # same weights, same function
@@ -223,6 +226,8 @@ def decode_ms(models: dict[str, GPT], prompt: list[int], tokens: int, rounds: in
     for k in SKIPS:
         block_set = BlockSet(skip=frozenset(range(n - k, n)))
         configs[f"ours float32 skip {k}"] = lambda b=block_set: ms_per_token_ours(ours, b, prompt, tokens)
+    for dtype, model in compiled.items():
+        configs[f"ours {dtype} compiled"] = lambda m=model: ms_per_token_ours(m, BlockSet(), prompt, tokens)
     for fn in configs.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {name: [] for name in configs}
@@ -276,6 +281,7 @@ def main(
     rounds: int = 5,
     json: str | None = None,
     quality_only: bool = False,
+    compile: bool = False,
 ) -> None:
     """Measure, print the results as JSON, and write them to ``json`` if given.
 
@@ -286,6 +292,7 @@ def main(
         rounds: Rounds of measurements; the median is reported.
         json: Also write the results here.
         quality_only: Only the builtin models' losses (no timing): seconds.
+        compile: Also time each dtype through lab.fast's compiled step (compiling each takes a while).
     """
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
@@ -297,7 +304,10 @@ def main(
         prompt = torch.randint(
             0, 50257, (prompt_tokens,), generator=torch.Generator().manual_seed(0)
         ).tolist()
-        ms, diff = decode_ms(models, prompt, tokens, rounds)
+        compiled = (
+            {dtype: fast.accelerate(load_model("gpt2-random", dtype)) for dtype in models} if compile else {}
+        )
+        ms, diff = decode_ms(models, prompt, tokens, rounds, compiled)
         n = ours.config.n_layer
         results = {
             "machine": platform.processor() or platform.machine(),
@@ -308,6 +318,9 @@ def main(
             "hf_vs_ours_max_logit_diff": diff,
             "ms_per_token": ms,
             "ratio_to_hf_fp32": {dtype: ms[f"ours {dtype}"] / ms["transformers fp32"] for dtype in models},
+            "compiled_over_eager": {
+                dtype: ms[f"ours {dtype} compiled"] / ms[f"ours {dtype}"] for dtype in compiled
+            },
             **bandwidth_results(models, ms),
             "fit": per_block_fit(ms, n),
             "adaptive_check_ms": {

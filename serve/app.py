@@ -87,6 +87,9 @@ class ServeConfig:
     batch_invariant: bool = True
     """Each row's logits bit for bit those it gets alone (lab.model.rows_alone); off: faster
     matrix-matrix steps with many rows, equal up to rounding."""
+    compile: bool = False
+    """Decode each row through lab.fast's static-shape step (inductor on the CPU, CUDA graphs on a
+    GPU); a block set's first request waits while it compiles (kept on disk for restarts)."""
     max_in_flight: int = 64
     """Most requests admitted at once (queued or running); past it, 429 with Retry-After."""
     max_prompts_per_request: int | None = None
@@ -180,7 +183,7 @@ def build(config: ServeConfig, model_factory: ModelFactory | None = None) -> Ser
     """The server for ``config``, nothing started; ``model_factory`` (tests) replaces loading
     ``config.model``."""
     worker = Worker(
-        model_factory or WeightsLoader(config.model, config.dtype),
+        model_factory or WeightsLoader(config.model, config.dtype, config.compile),
         SharedState(config.max_in_flight),
         max_batch_size=config.max_batch_size,
         batch_timeout=config.batch_timeout,

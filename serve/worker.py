@@ -47,11 +47,15 @@ class WeightsLoader:
 
     spec: str
     dtype: str = "float32"
+    compile: bool = False
+    """Give the model lab.fast's static-shape decode steps."""
 
     def __call__(self, device: str) -> GPT:
+        from lab import fast
         from lab.weights import load_model
 
-        return load_model(self.spec, self.dtype, device=device)
+        model = load_model(self.spec, self.dtype, device=device)
+        return fast.accelerate(model) if self.compile else model
 
 
 @dataclass(frozen=True)

@@ -256,6 +256,42 @@ def test_cli_generate_and_score(tmp_path, capsys):
     assert out["mean_blocks"] == 2.0 and len(out["token_losses"]) == len(out["blocks_per_token"]) > 5
 
 
+def test_cli_generate_compile_decodes_through_the_fast_step(tmp_path, capsys, monkeypatch):
+    """--compile gives the model lab.fast's steps (here captured, not compiled: the same dispatch, in
+    seconds) and the greedy tokens are the eager ones."""
+    from lab import fast
+    from lab.config import GPT2_VOCAB_SIZE
+    from lab.weights import save_model
+
+    torch.manual_seed(0)
+    save_model(GPT(GPTConfig(n_layer=2, n_embd=16, vocab_size=GPT2_VOCAB_SIZE, block_size=32)), tmp_path)
+    accelerated, accelerate = [], fast.accelerate
+
+    def capture_instead(model):
+        accelerated.append(accelerate(model, "graphs", capture=fast.eager_capture))
+        return model
+
+    monkeypatch.setattr(fast, "accelerate", capture_instead)
+    args = ["generate", "--model", str(tmp_path), "--json", "--prompt", "def f(x):", "--max-new-tokens", "6"]
+    assert main(args) == 0
+    eager = json.loads(capsys.readouterr().out)["tokens"]
+    assert not accelerated
+    assert main([*args, "--compile"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == eager
+    (model,) = accelerated
+    assert model.fast.steps and not model.fast.fallbacks
+
+
+def test_serve_compile_gives_each_worker_the_fast_step(tmp_path):
+    from lab.config import GPT2_VOCAB_SIZE
+    from lab.weights import save_model
+    from serve.worker import WeightsLoader
+
+    save_model(GPT(GPTConfig(n_layer=2, n_embd=16, vocab_size=GPT2_VOCAB_SIZE, block_size=32)), tmp_path)
+    assert WeightsLoader(str(tmp_path))("cpu").fast is None
+    assert WeightsLoader(str(tmp_path), compile=True)("cpu").fast.mode == "compile"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_row_matrix_vector_path_equals_matrix_path(dtype):
     """Decoding multiplies one row with addmv / mv (lab.model.Linear, GPT.unembed): same numbers."""
