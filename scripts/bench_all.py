@@ -6,7 +6,7 @@
 Runs, one after another, each benchmark with settings shortened to fit a few minutes:
 
 - decode: ``scripts/bench_decode.py`` (ours in fp32/bf16/int8/int4 vs transformers vs the bandwidth bound,
-  blocks skipped);
+  blocks skipped, each dtype through lab.fast's compiled step);
 - serve: ``scripts/bench_serve.py`` (HTTP overhead, batching throughput, latency with skips, the
   scheduler on GPT-2 small shapes in int4 and on the builtin model, batch-invariant and not);
 - train: ``scripts/bench_train.py`` (LitGPT under Lightning vs a plain torch loop);
@@ -63,6 +63,10 @@ def decode_rows(decode: dict) -> list[tuple[str, str, str]]:
             ),
             (f"decode: ours {dtype} / bandwidth bound", f"{decode['ratio_to_bound'][dtype]:.2f}", "<= 1.5"),
         ]
+        compiled = decode.get("compiled_over_eager", {})
+        if dtype in compiled:
+            shown = f"{compiled[dtype]:.2f} ({ms[f'ours {dtype} compiled']:.1f} ms/token)"
+            rows.append((f"decode: ours {dtype} compiled (lab.fast) / eager", shown, ""))
     return rows + [
         ("decode: transformers fp32 ms/token", f"{ms['transformers fp32']:.1f}", ""),
         ("decode: blocks' share of a step (fit)", f"{decode['fit']['block_share']:.2f}", ""),
@@ -182,6 +186,8 @@ def run_all() -> dict:
             "3",
             "--tokens",
             "16",
+            "--compile",
+            "true",
             "--json",
             str(decode_json),
         ]
