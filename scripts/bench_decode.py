@@ -42,6 +42,7 @@ from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
 from lab.decode import Decoder, stability
 from lab.generate import score
+from lab.measure import interval
 from lab.model import GPT, Linear
 from lab.quantize import QuantizedLinear
 from lab.weights import BUILTIN_MODELS, builtin_source, load_model
@@ -239,6 +240,37 @@ def decode_ms(
     return ms, diff
 
 
+def builtin_steps(prompt: list[int], tokens: int, rounds: int, compile: bool) -> dict:
+    """The builtin model's batch-1 step, ms/token: its read-out dense (every table row, as before
+    ``GPT.compact_read_out``) and compact, at full depth and with the second half of the blocks
+    skipped, and (``compile``) through lab.fast; per configuration the median over ``rounds`` rounds,
+    each timing every configuration once, with the median's 95% bootstrap interval, and its ratio to
+    the compact full-depth step."""
+    model, dense = load_model("builtin"), load_model("builtin")
+    dense.read_rows, dense.read_table = None, None  # the read-out multiplies all 50257 rows again
+    n = model.config.n_layer
+    half = BlockSet(skip=frozenset(range(n // 2, n)))
+    configs = {"dense all": (dense, BlockSet()), "all": (model, BlockSet()), "skip half": (model, half)}
+    if compile:
+        quick = fast.accelerate(load_model("builtin"))
+        configs |= {"compiled all": (quick, BlockSet()), "compiled skip half": (quick, half)}
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for model_, block_set in configs.values():  # warm-up (and the compiles)
+        ms_per_token_ours(model_, block_set, prompt, tokens)
+    for _ in range(rounds):
+        for name, (model_, block_set) in configs.items():
+            times[name].append(ms_per_token_ours(model_, block_set, prompt, tokens))
+    base = statistics.median(times["all"])
+    return {
+        name: {
+            "ms_per_token": statistics.median(values),
+            "ci": [round(end, 3) for end in interval(values)],
+            "over_all": statistics.median(values) / base,
+        }
+        for name, values in times.items()
+    }
+
+
 def per_block_fit(ms: dict[str, float], n: int) -> dict[str, float]:
     """ms/token = fixed + per_block * blocks run: least squares over the skip measurements."""
     xs = [n - k for k in [0, *SKIPS]]
@@ -282,6 +314,7 @@ def main(
     json: str | None = None,
     quality_only: bool = False,
     compile: bool = False,
+    builtin_rounds: int = 15,
 ) -> None:
     """Measure, print the results as JSON, and write them to ``json`` if given.
 
@@ -293,6 +326,7 @@ def main(
         json: Also write the results here.
         quality_only: Only the builtin models' losses (no timing): seconds.
         compile: Also time each dtype through lab.fast's compiled step (compiling each takes a while).
+        builtin_rounds: Rounds of the builtin model's step measurements (dense and compact read-out).
     """
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
@@ -327,6 +361,7 @@ def main(
                 "end_to_end_per_block": (ms["ours float32 adaptive=1.0"] - ms["ours float32"]) / (n - 1),
                 "alone": check_cost_alone(ours),
             },
+            "builtin_step": builtin_steps(prompt, tokens, builtin_rounds, compile),
             "unembed_ms": {"fp32": unembed_ms(ours), "bf16": unembed_ms(models["bfloat16"])},
             **{name.replace("-", "_"): builtin_quality(name) for name in BUILTIN_MODELS},
         }
