@@ -352,6 +352,8 @@ class Experiment:
         self.runs = {(rate, s): Run(s, rate) for rate in self.rates for s in block_sets}
         self.rounds: dict[str, int] = {}
         """Rounds run, per rate."""
+        self.target_met: dict[str, bool] = {}
+        """Per rate, with --target-ci: whether every interval got that narrow within --budget."""
 
     async def run(self) -> list[Run]:
         options = self.options
@@ -359,6 +361,14 @@ class Experiment:
             narrow = None if options.target is None else partial(self.narrow, rate)
             one_round = partial(self.round, rate)
             self.rounds[str(rate)] = await rounds_until(one_round, options.rounds, narrow, options.budget)
+            if narrow is not None:
+                self.target_met[str(rate)] = met = narrow()
+                at = f" at {rate:g} requests/s" if rate else ""
+                outcome = "met" if met else f"not met within --budget {options.budget:g} s"
+                print(
+                    f"--target-ci {options.target_ci}{at}: {outcome} after {self.rounds[str(rate)]} rounds",
+                    file=sys.stderr,
+                )
         return list(self.runs.values())
 
     async def round(self, rate: float | None, number: int) -> None:
@@ -449,6 +459,7 @@ async def run(options: TrafficOptions, url: str) -> tuple[list, dict]:
         "rounds": experiment.rounds,
         "confidence": CONFIDENCE,
         "target_ci": options.target_ci,
+        "target_met": experiment.target_met or None,
         "slo": options.slo_ms,
         "max_new_tokens": options.max_new_tokens,
         "prompts": len(prompts),

@@ -171,6 +171,7 @@ def test_the_shipped_models_load_offline_and_checked(tmp_path, monkeypatch, name
     assert model.config.vocab_size == tokens.VOCAB_SIZE and model.config.n_layer == 12
     assert len(model.read_rows) == report["distinct_tokens"]  # the read-out multiplies the trained rows
     assert model.exit_probe is not None
+    assert model.tuned_lens is not None  # fitted to these weights and shipped beside them: lens=tuned works
 
 
 def test_a_retrained_builtin_takes_precedence_until_reset(tmp_path, monkeypatch, caplog, capsys):

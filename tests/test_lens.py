@@ -280,6 +280,7 @@ def test_where_a_lens_lives(tmp_path, monkeypatch):
 
 def test_find_prefers_a_lens_fitted_to_the_model(tmp_path, monkeypatch, fitted):
     monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(home, "shipped_dir", lambda name: tmp_path / "shipped" / name)  # not the package's
     model, other = sharp_model(), sharp_model(seed=5)
     with pytest.raises(UserError, match=r"no tuned lens for builtin .* `blocklab lens fit --model builtin`"):
         home.find_tuned_lens("builtin", model)

@@ -412,6 +412,7 @@ def test_serve_a_model_and_send_until_the_target_or_the_budget(tmp_path, capsys)
         str(tmp_path / "a"),
     )
     assert code == 0 and result["rounds"]["None"] > 2  # 1 us is never reached: rounds until the budget
+    assert result["target_met"] == {"None": False}  # and it says so
     assert all(row["completed"] == 2 * result["rounds"]["None"] for row in result["block_sets"])
     code, result = _main_json(
         capsys,

@@ -1,0 +1,136 @@
+"""Batch-1 decoding against llama.cpp: the same GPT-2 small weights, the same CPU and threads, the
+configurations interleaved round by round, ms/token with a 95% interval.
+
+    python scripts/bench_llama_cpp.py --llama-cpp ~/src/llama.cpp --gguf-dir /tmp/gguf
+
+``--llama-cpp`` is a llama.cpp checkout built with cmake (``build/bin/llama-bench`` and
+``llama-quantize``; its source also ships in the ``llama-cpp-python`` sdist on PyPI). The first run
+writes ``gpt2-random`` as a Hugging Face directory (``lab.weights.save_hf_dir``), converts it with
+llama.cpp's own ``convert_hf_to_gguf.py`` to f32 and quantizes that to q8_0 and q4_0, all under
+``--gguf-dir``; later runs reuse the files. Pairs compared: llama.cpp f32 against ours float32 (eager
+and through ``lab.fast``'s compiled step), q8_0 against int8, q4_0 against int4 (weight-only, both:
+q8_0 and q4_0 keep a scale per 32 weights, ours per output row or per group). Each round times every
+configuration once: llama.cpp's ``llama-bench -r 1`` decoding ``--tokens`` after ``--prompt-tokens``
+of context (``-d``), ours ``Decoder.step`` after a prompt of the same length.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from json import dumps, loads
+from pathlib import Path
+
+import torch
+from bench_decode import ms_per_token_ours
+
+from lab import fast, flags
+from lab.blocks import BlockSet
+from lab.machine import cpu_description
+from lab.measure import interval
+from lab.weights import load_model, save_hf_dir
+
+PAIRS = {"f32": "float32", "q8_0": "int8", "q4_0": "int4"}
+"""llama.cpp's weight type and ours that stores as many bits per weight."""
+
+
+def gguf_files(llama_cpp: Path, directory: Path) -> dict[str, Path]:
+    """The GGUF file of each of ``PAIRS``' llama.cpp types, written under ``directory`` if missing."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {kind: directory / f"gpt2-random-{kind}.gguf" for kind in PAIRS}
+    if not files["f32"].exists():
+        hf = save_hf_dir(load_model("gpt2-random"), directory / "gpt2-random-hf")
+        convert = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f32"]
+        subprocess.run([*convert, "--outfile", str(files["f32"])], check=True)
+    for kind, path in files.items():
+        if not path.exists():
+            quantize = llama_cpp / "build" / "bin" / "llama-quantize"
+            subprocess.run([str(quantize), str(files["f32"]), str(path), kind], check=True)
+    return files
+
+
+def llama_ms_per_token(bench: Path, gguf: Path, tokens: int, context: int, threads: int) -> float:
+    """One llama-bench run (one repetition, after its warm-up): ms per generated token."""
+    command = [str(bench), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-d", str(context)]
+    command += ["-t", str(threads), "-r", "1", "-o", "json"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    (result,) = loads(out)
+    return 1e3 / result["avg_ts"]
+
+
+def main(
+    llama_cpp: Path,
+    gguf_dir: Path,
+    threads: int = 2,
+    tokens: int = 32,
+    prompt_tokens: int = 32,
+    rounds: int = 9,
+    json: Path | None = None,
+) -> None:
+    """Measure, print the table and the JSON, and write the JSON to ``json`` if given.
+
+    Args:
+        llama_cpp: A llama.cpp checkout built with cmake (build/bin/llama-bench).
+        gguf_dir: Where the GGUF files are (written on the first run).
+        threads: Threads for both engines.
+        tokens: Tokens decoded per measurement.
+        prompt_tokens: Tokens of context before them.
+        rounds: Rounds; each times every configuration once.
+        json: Also write the results here.
+    """
+    torch.set_num_threads(threads)
+    files = gguf_files(llama_cpp.expanduser(), gguf_dir.expanduser())
+    bench = llama_cpp.expanduser() / "build" / "bin" / "llama-bench"
+    prompt = torch.randint(0, 50257, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours = {dtype: load_model("gpt2-random", dtype) for dtype in PAIRS.values()}
+    compiled = fast.accelerate(load_model("gpt2-random"))
+    configs = {
+        f"llama.cpp {kind}": lambda f=gguf: llama_ms_per_token(bench, f, tokens, prompt_tokens, threads)
+        for kind, gguf in files.items()
+    }
+    for dtype, model in ours.items():
+        configs[f"ours {dtype}"] = lambda m=model: ms_per_token_ours(m, BlockSet(), prompt, tokens)
+    configs["ours float32 compiled"] = lambda: ms_per_token_ours(compiled, BlockSet(), prompt, tokens)
+    for measure in configs.values():  # warm-up (and the compile)
+        measure()
+    load_before = os.getloadavg()
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, measure in configs.items():
+            times[name].append(measure())
+    ms = {name: {"median": statistics.median(v), "ci": list(interval(v))} for name, v in times.items()}
+    ratios = {
+        kind: ms[f"ours {dtype}"]["median"] / ms[f"llama.cpp {kind}"]["median"]
+        for kind, dtype in PAIRS.items()
+    }
+    ratios["f32 compiled"] = ms["ours float32 compiled"]["median"] / ms["llama.cpp f32"]["median"]
+    results = {
+        "machine": cpu_description(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": threads,
+        "tokens": tokens,
+        "prompt_tokens": prompt_tokens,
+        "rounds": rounds,
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "ms_per_token": ms,
+        "ours_over_llama_cpp": ratios,
+    }
+    for name, m in ms.items():
+        print(
+            f"{name:>24}  {m['median']:7.2f} ms/token  [{m['ci'][0]:.2f}, {m['ci'][1]:.2f}]", file=sys.stderr
+        )
+    for kind, ratio in ratios.items():
+        print(f"{'ours / llama.cpp ' + kind:>32}  {ratio:.2f}", file=sys.stderr)
+    text = dumps(results, indent=2)
+    print(text)
+    if json:
+        json.write_text(text)
+
+
+if __name__ == "__main__":
+    flags.call(main)
