@@ -4,8 +4,8 @@ configurations interleaved round by round, ms/token with a 95% interval.
     python scripts/bench_llama_cpp.py --llama-cpp ~/src/llama.cpp --gguf-dir /tmp/gguf
 
 ``--llama-cpp`` is a llama.cpp checkout built with cmake (``build/bin/llama-bench`` and
-``llama-quantize``; its source also ships in the ``llama-cpp-python`` sdist on PyPI). The first run
-writes ``gpt2-random`` as a Hugging Face directory (``lab.weights.save_hf_dir``), converts it with
+``llama-quantize``, or ``--build DIR``; its source also ships in the ``llama-cpp-python`` sdist on
+PyPI). The first run writes ``gpt2-random`` as a Hugging Face directory (``lab.weights.save_hf_dir``), converts it with
 llama.cpp's own ``convert_hf_to_gguf.py`` to f32 and quantizes that to q8_0 and q4_0, all under
 ``--gguf-dir``; later runs reuse the files. Pairs compared: llama.cpp f32 against ours float32 (eager
 and through ``lab.fast``'s compiled step), q8_0 against int8, q4_0 against int4 (weight-only, both:
@@ -37,7 +37,7 @@ PAIRS = {"f32": "float32", "q8_0": "int8", "q4_0": "int4"}
 """llama.cpp's weight type and ours that stores as many bits per weight."""
 
 
-def gguf_files(llama_cpp: Path, directory: Path) -> dict[str, Path]:
+def gguf_files(llama_cpp: Path, bin_dir: Path, directory: Path) -> dict[str, Path]:
     """The GGUF file of each of ``PAIRS``' llama.cpp types, written under ``directory`` if missing."""
     directory.mkdir(parents=True, exist_ok=True)
     files = {kind: directory / f"gpt2-random-{kind}.gguf" for kind in PAIRS}
@@ -47,7 +47,7 @@ def gguf_files(llama_cpp: Path, directory: Path) -> dict[str, Path]:
         subprocess.run([*convert, "--outfile", str(files["f32"])], check=True)
     for kind, path in files.items():
         if not path.exists():
-            quantize = llama_cpp / "build" / "bin" / "llama-quantize"
+            quantize = bin_dir / "llama-quantize"
             subprocess.run([str(quantize), str(files["f32"]), str(path), kind], check=True)
     return files
 
@@ -64,6 +64,7 @@ def llama_ms_per_token(bench: Path, gguf: Path, tokens: int, context: int, threa
 def main(
     llama_cpp: Path,
     gguf_dir: Path,
+    build: Path | None = None,
     threads: int = 2,
     tokens: int = 32,
     prompt_tokens: int = 32,
@@ -75,6 +76,7 @@ def main(
     Args:
         llama_cpp: A llama.cpp checkout built with cmake (build/bin/llama-bench).
         gguf_dir: Where the GGUF files are (written on the first run).
+        build: llama.cpp's cmake build directory (default: LLAMA_CPP/build).
         threads: Threads for both engines.
         tokens: Tokens decoded per measurement.
         prompt_tokens: Tokens of context before them.
@@ -82,8 +84,10 @@ def main(
         json: Also write the results here.
     """
     torch.set_num_threads(threads)
-    files = gguf_files(llama_cpp.expanduser(), gguf_dir.expanduser())
-    bench = llama_cpp.expanduser() / "build" / "bin" / "llama-bench"
+    llama_cpp = llama_cpp.expanduser()
+    bin_dir = (build.expanduser() if build else llama_cpp / "build") / "bin"
+    files = gguf_files(llama_cpp, bin_dir, gguf_dir.expanduser())
+    bench = bin_dir / "llama-bench"
     prompt = torch.randint(0, 50257, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     ours = {dtype: load_model("gpt2-random", dtype) for dtype in PAIRS.values()}
     compiled = fast.accelerate(load_model("gpt2-random"))
