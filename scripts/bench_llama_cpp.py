@@ -6,12 +6,13 @@ configurations interleaved round by round, ms/token with a 95% interval.
 ``--llama-cpp`` is a llama.cpp checkout built with cmake (``build/bin/llama-bench`` and
 ``llama-quantize``, or ``--build DIR``; its source also ships in the ``llama-cpp-python`` sdist on
 PyPI). The first run writes ``gpt2-random`` as a Hugging Face directory
-(``lab.weights.save_hf_dir``), converts it with llama.cpp's own ``convert_hf_to_gguf.py`` to f32 and quantizes that to q8_0 and q4_0, all under
-``--gguf-dir``; later runs reuse the files. Pairs compared: llama.cpp f32 against ours float32 (eager
-and through ``lab.fast``'s compiled step), q8_0 against int8, q4_0 against int4 (weight-only, both:
-q8_0 and q4_0 keep a scale per 32 weights, ours per output row or per group). Each round times every
-configuration once: llama.cpp's ``llama-bench -r 1`` decoding ``--tokens`` after ``--prompt-tokens``
-of context (``-d``), ours ``Decoder.step`` after a prompt of the same length.
+(``lab.weights.save_hf_dir``), converts it with llama.cpp's own ``convert_hf_to_gguf.py`` to f32
+and quantizes that to q8_0 and q4_0, all under ``--gguf-dir``; later runs reuse the files. Pairs
+compared: llama.cpp f32 against ours float32 (eager and through ``lab.fast``'s compiled step), q8_0
+against int8, q4_0 against int4 (weight-only, both: q8_0 and q4_0 keep a scale per 32 weights, ours
+per output row or per group). Each round times every configuration once: llama.cpp's
+``llama-bench -r 1`` decoding ``--tokens`` after ``--prompt-tokens`` of context (``-d``), ours
+``Decoder.step`` after a prompt of the same length.
 """
 
 from __future__ import annotations
