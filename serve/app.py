@@ -83,7 +83,10 @@ class ServeConfig:
     batch_timeout: float = 0.0
     """Seconds an idle worker waits for company after a request arrives (0: start at once)."""
     prefill_chunk: int = 64
-    """Prompt tokens per prefill pass; running rows wait about one such pass per step."""
+    """Prompt tokens per prefill pass; while rows decode, each waiting prompt advances one pass per step."""
+    prefill_per_step: int = 256
+    """Prompt tokens prefilled per step while rows decode (one --prefill-chunk per prompt): prompts
+    that arrive together start together; running rows wait for these passes."""
     batch_invariant: bool = True
     """Each row's logits bit for bit those it gets alone (lab.model.rows_alone); off: faster
     matrix-matrix steps with many rows, equal up to rounding."""
@@ -132,8 +135,8 @@ class ServeConfig:
         """UserError saying what is wrong with these settings, if anything is."""
         if self.dtype in ("int8", "int4") and self.accelerator not in ("auto", "cpu"):
             raise UserError(f"--dtype {self.dtype} runs on the CPU: use --accelerator cpu (or auto)")
-        if self.max_batch_size < 1 or self.prefill_chunk < 1:
-            raise UserError("--max-batch-size and --prefill-chunk must be at least 1")
+        if min(self.max_batch_size, self.prefill_chunk, self.prefill_per_step) < 1:
+            raise UserError("--max-batch-size, --prefill-chunk and --prefill-per-step must be at least 1")
         for name in (
             "queue_timeout",
             "request_timeout",
@@ -189,6 +192,7 @@ def build(config: ServeConfig, model_factory: ModelFactory | None = None) -> Ser
         batch_timeout=config.batch_timeout,
         queue_timeout=config.queue_timeout,
         prefill_chunk=config.prefill_chunk,
+        prefill_per_step=config.prefill_per_step,
         batch_invariant=config.batch_invariant,
         threads=config.threads,
         max_threads=max(1, len(allowed_cores()) // config.workers),

@@ -7,10 +7,12 @@ iteration-level scheduling, as vLLM, TGI and SGLang do it). Each tick:
 
 1. retire: jobs whose client is gone stop silently; jobs past their deadline end with a 504 event;
 2. prefill, chunked: jobs not yet prefilled advance by whole chunks of ``prefill_chunk`` prompt
-   tokens, oldest first, about one chunk per tick while other rows are decoding (as many as the
-   context holds when none are). A long prompt thus holds the running rows back for one chunk's
-   pass per tick, not for its whole prefill; and chunk boundaries depend on the prompt alone, so a
-   prompt's losses are the same whatever else is running;
+   tokens, oldest first. While other rows are decoding, each advances one chunk per tick, and the
+   tick's chunks stop once they reach ``prefill_per_step`` tokens (when none are decoding, as many
+   as the context holds). A long prompt thus holds the running rows back for one chunk's pass per
+   tick, not for its whole prefill, and prompts that arrive together start together instead of one
+   tick apart; chunk boundaries depend on the prompt alone, so a prompt's losses are the same
+   whatever else is running;
 3. decode: every prefilled row takes one step together, whatever its block set
    (``lab.decode.decode_rows``): block i runs on the rows whose set includes it, exit rows stop at
    their block, adaptive rows decide per token; a speculating row runs a round of its own.
@@ -215,12 +217,14 @@ class Engine:
         *,
         max_rows: int = 8,
         prefill_chunk: int = 64,
+        prefill_per_step: int = 256,
         batch_invariant: bool = True,
     ):
         self.model = model
         self.tally = tally
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
+        self.prefill_per_step = prefill_per_step
         self.batch_invariant = batch_invariant
         self.rows: list[_Row] = []  # in arrival order
         self.refused: Events = []  # jobs ``add`` could not take, answered at the next tick
@@ -256,13 +260,15 @@ class Engine:
         with torch.inference_mode():
             yield self._counted(self._retire())
             decoding = [row for row in self.rows if row.prefilled]
-            budget = self.prefill_chunk if decoding else self.model.config.block_size
+            budget = self.prefill_per_step if decoding else self.model.config.block_size
             for row in [row for row in self.rows if not row.prefilled]:
                 if budget <= 0:
                     break
                 while budget > 0 and not row.prefilled and row in self.rows:
                     budget -= min(self.prefill_chunk, len(row.feed) - row.fed)
                     yield self._counted(self._guarded(row, self._prefill_chunk))
+                    if decoding:  # one chunk per prompt per tick: the running rows wait for no more
+                        break
             shared = [row for row in decoding if not row.speculating]
             if shared:
                 yield self._counted(self._decode(shared))

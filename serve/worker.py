@@ -91,6 +91,7 @@ class Worker:
         threads: int | None = None,
         max_threads: int | None = None,
         prefill_chunk: int = 64,
+        prefill_per_step: int = 256,
         batch_invariant: bool = True,
     ):
         self.model_factory = model_factory
@@ -102,6 +103,7 @@ class Worker:
         self.max_threads = max_threads
         self.tuner: ThreadTuner | None = None  # threads=None: chosen from the free cores as the load changes
         self.prefill_chunk = prefill_chunk
+        self.prefill_per_step = prefill_per_step
         self.batch_invariant = batch_invariant
 
     def setup(self, device: str) -> None:
@@ -128,6 +130,7 @@ class Worker:
             self.model,
             max_rows=self.max_batch_size,
             prefill_chunk=self.prefill_chunk,
+            prefill_per_step=self.prefill_per_step,
             batch_invariant=self.batch_invariant,
         )
         self.shared.publish(self.model)

@@ -227,6 +227,24 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(model):
     assert done["score"]["token_losses"] == pytest.approx(scored.token_losses, abs=1e-5)
 
 
+def test_prompts_that_arrive_together_start_together_within_the_budget(model):
+    """While a row decodes, each waiting prompt advances one chunk per tick until the tick's chunks
+    reach prefill_per_step tokens: three short prompts added at once all take their first token at
+    the next tick with a budget of their three prompts, one tick apart with a budget of one."""
+    for per_step, first_token_ticks in ((30, [1, 1, 1]), (10, [1, 2, 3])):
+        engine = Engine(model, prefill_chunk=16, prefill_per_step=per_step)
+        engine.add("running", job(max_new_tokens=30, stream=True))
+        engine.tick()
+        for name in ("a", "b", "c"):
+            engine.add(name, job(prompt=[7] * 10, max_new_tokens=4, stream=True))
+        first: dict[str, int] = {}
+        for tick in range(1, 4):
+            for key, event in engine.tick():
+                if key != "running" and event["event"] == "token":
+                    first.setdefault(key, tick)
+        assert [first[name] for name in ("a", "b", "c")] == first_token_ticks
+
+
 def test_rows_need_only_their_own_context(model):
     """Each row has its own cache: a long prompt and a long generation run side by side although
     together they would not fit the context of one shared cache."""
