@@ -2,6 +2,7 @@
 of a difference, the Pareto frontier, and the loopback check of a load generator's target.
 
     latency_ms([0.41, 0.38, 0.52])              # {"n": 3, "mean": 436.67, "p50": 410.0, ...}
+    interleaved({"all": time_all, "skip": time_skip}, rounds=5)  # {"all": [5 values], "skip": [...]}
     interval(ttfts, np.median)                  # (low, high): 95% percentile bootstrap of the median
     skip, base = resampled(skip_ttfts, np.median, seed=1), resampled(all_ttfts, np.median, seed=2)
     significant(ends(skip - base))              # median(skip) - median(all): does its interval exclude 0?
@@ -52,6 +53,18 @@ def latency_ms(seconds: Sequence[float], quantiles: Sequence[int] = (50, 90, 99)
     values = np.asarray(seconds, dtype=np.float64) * 1e3
     stats = [values.mean(), *np.percentile(values, list(quantiles)), values.max()]
     return {"n": len(values), **{name: round(float(v), digits) for name, v in zip(names, stats, strict=True)}}
+
+
+def interleaved(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each measurement's values over ``rounds`` rounds, each round taking every measurement once in
+    turn, after one warm-up call of each (compiles, caches): drift and load then fall on all alike."""
+    for measure in measures.values():
+        measure()
+    values: dict[str, list[float]] = {name: [] for name in measures}
+    for _ in range(rounds):
+        for name, measure in measures.items():
+            values[name].append(measure())
+    return values
 
 
 # ---------------------------------------------------------------------------------------------------

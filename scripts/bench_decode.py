@@ -42,7 +42,7 @@ from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
 from lab.decode import Decoder, stability
 from lab.generate import score
-from lab.measure import interval
+from lab.measure import interleaved, interval
 from lab.model import GPT, Linear
 from lab.quantize import QuantizedLinear
 from lab.weights import BUILTIN_MODELS, builtin_source, load_model
@@ -229,13 +229,7 @@ def decode_ms(
         configs[f"ours float32 skip {k}"] = lambda b=block_set: ms_per_token_ours(ours, b, prompt, tokens)
     for dtype, model in compiled.items():
         configs[f"ours {dtype} compiled"] = lambda m=model: ms_per_token_ours(m, BlockSet(), prompt, tokens)
-    for fn in configs.values():  # warm-up
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(rounds):
-        for name, fn in configs.items():
-            times[name].append(fn())
-    ms = {name: statistics.median(values) for name, values in times.items()}
+    ms = {name: statistics.median(values) for name, values in interleaved(configs, rounds).items()}
     ms["ours float32 skip 0"] = ms["ours float32"]
     return ms, diff
 
@@ -250,16 +244,15 @@ def builtin_steps(prompt: list[int], tokens: int, rounds: int, compile: bool) ->
     dense.read_rows, dense.read_table = None, None  # the read-out multiplies all 50257 rows again
     n = model.config.n_layer
     half = BlockSet(skip=frozenset(range(n // 2, n)))
-    configs = {"dense all": (dense, BlockSet()), "all": (model, BlockSet()), "skip half": (model, half)}
+    runs = {"dense all": (dense, BlockSet()), "all": (model, BlockSet()), "skip half": (model, half)}
     if compile:
         quick = fast.accelerate(load_model("builtin"))
-        configs |= {"compiled all": (quick, BlockSet()), "compiled skip half": (quick, half)}
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    for model_, block_set in configs.values():  # warm-up (and the compiles)
-        ms_per_token_ours(model_, block_set, prompt, tokens)
-    for _ in range(rounds):
-        for name, (model_, block_set) in configs.items():
-            times[name].append(ms_per_token_ours(model_, block_set, prompt, tokens))
+        runs |= {"compiled all": (quick, BlockSet()), "compiled skip half": (quick, half)}
+    configs = {
+        name: lambda m=model_, b=block_set: ms_per_token_ours(m, b, prompt, tokens)
+        for name, (model_, block_set) in runs.items()
+    }
+    times = interleaved(configs, rounds)  # the warm-up compiles
     base = statistics.median(times["all"])
     return {
         name: {

@@ -31,7 +31,7 @@ from bench_decode import ms_per_token_ours
 from lab import fast, flags
 from lab.blocks import BlockSet
 from lab.machine import cpu_description
-from lab.measure import interval
+from lab.measure import interleaved, interval
 from lab.weights import load_model, save_hf_dir
 
 PAIRS = {"f32": "float32", "q8_0": "int8", "q4_0": "int4"}
@@ -99,13 +99,8 @@ def main(
     for dtype, model in ours.items():
         configs[f"ours {dtype}"] = lambda m=model: ms_per_token_ours(m, BlockSet(), prompt, tokens)
     configs["ours float32 compiled"] = lambda: ms_per_token_ours(compiled, BlockSet(), prompt, tokens)
-    for measure in configs.values():  # warm-up (and the compile)
-        measure()
     load_before = os.getloadavg()
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(rounds):
-        for name, measure in configs.items():
-            times[name].append(measure())
+    times = interleaved(configs, rounds)  # the warm-up compiles
     ms = {name: {"median": statistics.median(v), "ci": list(interval(v))} for name, v in times.items()}
     ratios = {
         kind: ms[f"ours {dtype}"]["median"] / ms[f"llama.cpp {kind}"]["median"]

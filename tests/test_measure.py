@@ -9,6 +9,7 @@ from lab.measure import (
     check_loopback,
     ends,
     frontier,
+    interleaved,
     interval,
     is_loopback,
     latency_ms,
@@ -94,3 +95,14 @@ def test_only_loopback_targets_unless_allowed():
         check_loopback("http://10.0.0.5:8000", allowed_by="--allow-remote")
     with pytest.raises(UserError, match=r"is not a loopback address$"):
         check_loopback("http://example.com")
+
+
+def test_interleaved_warms_up_each_then_takes_every_measurement_once_per_round():
+    calls = []
+
+    def measure(name):
+        return lambda: calls.append(name) or float(len(calls))
+
+    values = interleaved({"a": measure("a"), "b": measure("b")}, rounds=2)
+    assert calls == ["a", "b"] * 3  # a warm-up call of each, then two rounds in turn
+    assert values == {"a": [3.0, 5.0], "b": [4.0, 6.0]}  # the warm-up's values are not kept
