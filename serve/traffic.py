@@ -289,21 +289,24 @@ async def rounds_until(
     narrow: Callable[[], bool] | None,
     budget_s: float,
     clock: Callable[[], float] = time.monotonic,
-) -> int:
+) -> tuple[int, bool | None]:
     """Run rounds 0 .. ``first`` - 1, then more while ``narrow`` (None: no target) says the intervals
     are not narrow yet and one more round, as long as the mean round so far, fits in ``budget_s``
-    (counted from the first round); the number of rounds run."""
+    (counted from the first round); the number of rounds run, and whether the target was met (None
+    without one)."""
     start = clock()
     for number in range(first):
         await run_round(number)
     done = first
-    while narrow is not None and not narrow():
+    if narrow is None:
+        return done, None
+    while not narrow():
         spent = clock() - start
         if spent + spent / done > budget_s:
-            break
+            return done, False
         await run_round(done)
         done += 1
-    return done
+    return done, True
 
 
 async def run_turn(
@@ -360,9 +363,11 @@ class Experiment:
         for rate in self.rates:
             narrow = None if options.target is None else partial(self.narrow, rate)
             one_round = partial(self.round, rate)
-            self.rounds[str(rate)] = await rounds_until(one_round, options.rounds, narrow, options.budget)
-            if narrow is not None:
-                self.target_met[str(rate)] = met = narrow()
+            self.rounds[str(rate)], met = await rounds_until(
+                one_round, options.rounds, narrow, options.budget
+            )
+            if met is not None:
+                self.target_met[str(rate)] = met
                 at = f" at {rate:g} requests/s" if rate else ""
                 outcome = "met" if met else f"not met within --budget {options.budget:g} s"
                 print(

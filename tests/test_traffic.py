@@ -176,7 +176,7 @@ class FakeClock:
 
 
 def test_more_rounds_until_narrow_or_out_of_budget():
-    def rounds(narrow_after: int | None, budget_s: float, target: bool = True) -> int:
+    def rounds(narrow_after: int | None, budget_s: float, target: bool = True) -> tuple[int, bool | None]:
         clock, ran = FakeClock(), []
 
         async def one_round(number: int) -> None:
@@ -184,15 +184,15 @@ def test_more_rounds_until_narrow_or_out_of_budget():
             clock.now += 10.0  # every round takes 10 s
 
         narrow = (lambda: narrow_after is not None and len(ran) >= narrow_after) if target else None
-        done = asyncio.run(traffic.rounds_until(one_round, 2, narrow, budget_s, clock=clock))
+        done, met = asyncio.run(traffic.rounds_until(one_round, 2, narrow, budget_s, clock=clock))
         assert ran == list(range(done))
-        return done
+        return done, met
 
-    assert rounds(None, 1000.0, target=False) == 2  # no target: the first rounds only
-    assert rounds(5, 1000.0) == 5  # narrow after the 5th round
-    assert rounds(1, 1000.0) == 2  # the first rounds always run
-    assert rounds(None, 45.0) == 4  # a 5th round (40 s + 10 s) would overrun the budget
-    assert rounds(None, 5.0) == 2  # the budget spent by the first rounds
+    assert rounds(None, 1000.0, target=False) == (2, None)  # no target: the first rounds only
+    assert rounds(5, 1000.0) == (5, True)  # narrow after the 5th round
+    assert rounds(1, 1000.0) == (2, True)  # the first rounds always run
+    assert rounds(None, 45.0) == (4, False)  # a 5th round (40 s + 10 s) would overrun the budget
+    assert rounds(None, 5.0) == (2, False)  # the budget spent by the first rounds
 
 
 def test_the_target_is_met_once_every_median_is_that_narrow():
