@@ -12,12 +12,11 @@ import torch
 
 from lab import fast, tokens
 from lab.blocks import BlockSet
-from lab.decode import Decoder, decode_rows
+from lab.decode import Decoder
 from lab.generate import generate
 from lab.hooks import capture
-from lab.model import rows_alone
 from lab.sampling import SamplingParams
-from tests.tiny import TinyModel
+from tests.tiny import TinyModel, assert_rows_alone
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -94,23 +93,7 @@ def test_sampled_generation_is_the_eager_one():
 def test_under_rows_alone_every_row_is_bit_for_bit_its_logits_alone():
     """Fast rows step alone and the others together: a row's logits never depend on its batch mates."""
     model = accelerated()
-    specs = ["all", "adaptive=0.5", "exit=3", "skip=1", "all", "adaptive=0.9;min=2"]
-
-    def decoders() -> list[Decoder]:
-        made = []
-        for i, spec in enumerate(specs):
-            decoder = Decoder(model, BlockSet.parse(spec, N_LAYER), max_len=40)
-            decoder.prefill(PROMPT[: 2 + i])
-            made.append(decoder)
-        return made
-
-    fed = [tokens.encode(" fox")[0] + i for i in range(len(specs))]
-    with rows_alone():
-        together, blocks_run = decode_rows(model, decoders(), fed)
-        for b, decoder in enumerate(decoders()):
-            by_itself, its_blocks = decode_rows(model, [decoder], [fed[b]])
-            assert torch.equal(together[b], by_itself[0]), specs[b]
-            assert blocks_run[b] == its_blocks[0]
+    assert_rows_alone(model, ["all", "adaptive=0.5", "exit=3", "skip=1", "all", "adaptive=0.9;min=2"], PROMPT)
 
 
 def test_the_graphed_step_replays_into_one_output_on_fresh_inputs():

@@ -17,7 +17,7 @@ from serve.engine import Engine
 from serve.schema import Job, ModelLimits, PredictRequest, RequestError, resolve
 from serve.shared import SharedState
 from serve.worker import Order, Worker
-from tests.tiny import TinyModel, random_lens
+from tests.tiny import TinyModel, assert_rows_alone, random_lens, staggered_decoders
 
 N_LAYER = 4
 PROMPT = tokens.encode("The quick brown fox jumps over")
@@ -139,8 +139,7 @@ def test_random_mixes_of_block_sets_joining_and_leaving_compute_what_each_row_co
 def test_a_rows_logits_are_bit_for_bit_its_logits_alone(dtype):
     """``decode_rows`` under ``rows_alone``: a row among others of other block sets gives exactly
     the logits it gives alone, in fp32 and int4; the products shared as one matrix product do not."""
-    from lab.generate import Decoder, decode_rows
-    from lab.model import rows_alone
+    from lab.generate import decode_rows
     from lab.quantize import quantize
 
     torch.manual_seed(0)
@@ -152,21 +151,8 @@ def test_a_rows_logits_are_bit_for_bit_its_logits_alone(dtype):
              "exit=3;lens=tuned", "exit=2;lens=tuned", "exit=3;lens=tuned",
              "adaptive=0.5;lens=tuned"]  # fmt: skip
 
-    def decoders() -> list[Decoder]:
-        made = []
-        for i, spec in enumerate(specs):
-            decoder = Decoder(model, BlockSet.parse(spec, N_LAYER), max_len=40)
-            decoder.prefill(PROMPT[: 2 + i])
-            made.append(decoder)
-        return made
-
-    fed = [tokens.encode(" fox")[0] + i for i in range(len(specs))]
-    with rows_alone():
-        together, _ = decode_rows(model, decoders(), fed)
-        for b, decoder in enumerate(decoders()):
-            by_itself, _ = decode_rows(model, [decoder], [fed[b]])
-            assert torch.equal(together[b], by_itself[0]), specs[b]
-    shared, _ = decode_rows(model, decoders(), fed)  # not invariant: equal up to rounding only
+    together, fed = assert_rows_alone(model, specs, PROMPT)
+    shared, _ = decode_rows(model, staggered_decoders(model, specs, PROMPT), fed)  # equal up to rounding only
     torch.testing.assert_close(shared, together, atol=0.05, rtol=0.05)
 
 

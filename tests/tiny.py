@@ -1,11 +1,13 @@
-"""Test helpers of the server's tests: a tiny model that can be made slow or made to fail, a check of
-whether a process still lives, and a valid ``/predict`` answer to fake a server with.
+"""Test helpers of the server's tests: a tiny model that can be made slow or made to fail, the check
+that a decode step's rows are each what they are alone, a check of whether a process still lives,
+and a valid ``/predict`` answer to fake a server with.
 
     with ServerProcess(["--max-batch-size", "8"], model_factory=TinyModel()) as server:
         ...
     with ServerProcess(["--threads", "1"], model_factory=TinyModel(fail_token=13)) as server:
         ...  # a request whose prompt holds token 13 raises inside the worker
     model.tuned_lens = random_lens(model)  # lens=tuned exits through random translators
+    together, fed = assert_rows_alone(model, ["all", "exit=3"], prompt)  # each row as it is alone
 
 ``TinyModel`` is a random ``serve.process.TINY`` GPT. Its ``step_s``, ``slow_token`` and
 ``fail_token`` make every step or one request slow, or make a request raise inside the worker, to
@@ -18,9 +20,12 @@ from pathlib import Path
 
 import torch
 
+from lab import tokens
+from lab.blocks import BlockSet
 from lab.config import GPTConfig
+from lab.decode import Decoder, decode_rows
 from lab.lens.translator import TunedLens
-from lab.model import GPT
+from lab.model import GPT, rows_alone
 from serve.process import TINY
 from serve.schema import PredictResponse
 
@@ -92,6 +97,31 @@ def random_lens(model: GPT, seed: int = 0, scale: float = 0.5) -> TunedLens:
     lens.bias[: L - 1] = torch.randn(L - 1, D, generator=generator) * scale
     lens.blocks = tuple(range(L - 1))
     return lens.to(model.wte.weight.device, model.wte.weight.dtype)
+
+
+def staggered_decoders(model: GPT, specs: list[str], prompt: list[int]) -> list[Decoder]:
+    """A decoder per block set of ``specs``, the i-th prefilled with ``prompt``'s first 2 + i tokens,
+    so that the rows of one step sit at different positions."""
+    made = []
+    for i, spec in enumerate(specs):
+        decoder = Decoder(model, BlockSet.parse(spec, model.config.n_layer), max_len=40)
+        decoder.prefill(prompt[: 2 + i])
+        made.append(decoder)
+    return made
+
+
+def assert_rows_alone(model: GPT, specs: list[str], prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Under ``rows_alone``, one ``decode_rows`` step of ``staggered_decoders`` gives every row bit
+    for bit the logits, and the blocks, it gets stepped alone. The logits together [B, V] and the
+    tokens fed."""
+    fed = [tokens.encode(" fox")[0] + i for i in range(len(specs))]
+    with rows_alone():
+        together, blocks_run = decode_rows(model, staggered_decoders(model, specs, prompt), fed)
+        for b, decoder in enumerate(staggered_decoders(model, specs, prompt)):
+            by_itself, its_blocks = decode_rows(model, [decoder], [fed[b]])
+            assert torch.equal(together[b], by_itself[0]), specs[b]
+            assert blocks_run[b] == its_blocks[0], specs[b]
+    return together, fed
 
 
 def is_alive(pid: int) -> bool:
