@@ -156,7 +156,8 @@ class Decoder:
         """``step`` through the model's fast step (``lab.fast``; ``decode_rows`` decides when)."""
         if self.position >= self.cache.max_len:
             raise ValueError(f"context full: {self.cache.max_len} positions")
-        logits = self.fast.step(self.blocks, self.block_set.overwrite, self.cache, token)  # [V]
+        lens_block = self.exit_translator(len(self.blocks))
+        logits = self.fast.step(self.blocks, self.block_set.overwrite, self.cache, token, lens_block)  # [V]
         self.cache.length += 1
         return logits, list(self.blocks)
 

@@ -19,14 +19,15 @@ position (``lab.model.attend_static``). Then one step's work is the same graph a
   and each step is one replay.
 
 What takes the fast path: one row's step under a fixed block set (``skip``, ``keep``, ``overwrite``,
-``exit`` and their combinations; each combination is its own graph). What falls back to the eager
-step, saying so once (``FastDecode.fallbacks`` counts it): adaptive exit (it decides after each block,
-on the host), self-speculation's draft and verification passes (several positions at once; its plain
-steps do take the fast path), exits read through the tuned lens (``lens=tuned``), any step while a
-hook is registered (``lab.hooks``: the hooks see the eager step's tensors), and steps of many rows
-without ``lab.model.rows_alone`` (one batched product reads the weights once; under ``rows_alone``
-each row takes its own fast step, which is batch-invariant by construction). The fast step's
-logits equal the eager step's up to rounding (tests/test_fast.py).
+``exit``, exits read through the tuned lens (``lens=tuned``: its translator is part of the graph) and
+their combinations; each combination is its own graph), and on the CPU self-speculation's rounds
+(``lab.speculate``: the draft steps, and the verification of a round's positions as one graph per
+round length). What falls back to the eager step, saying so once (``FastDecode.fallbacks`` counts
+it): adaptive exit (it decides after each block, on the host), self-speculation under CUDA graphs,
+any step while a hook is registered (``lab.hooks``: the hooks see the eager step's tensors), and
+steps of many rows without ``lab.model.rows_alone`` (one batched product reads the weights once;
+under ``rows_alone`` each row takes its own fast step, which is batch-invariant by construction). The
+fast step's logits equal the eager step's up to rounding (tests/test_fast.py).
 """
 
 from __future__ import annotations
@@ -68,32 +69,62 @@ def bucket(max_len: int, block_size: int) -> int:
     return min(length, block_size)
 
 
-def static_step(
+def static_blocks(
     model: GPT,
     blocks: tuple[int, ...],
     overwrite: frozenset[int],
-    idx: torch.Tensor,
+    x: torch.Tensor,
     pos: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
 ) -> torch.Tensor:
-    """One decode step with static shapes: token idx [1, 1] at position pos [1] (a tensor, so every
-    position runs the same graph) through ``blocks``, writing keys and values into the caches
-    [L, 1, H, T_max, Dh]; the logits [1, V]. The caller checks that pos is inside the cache."""
-    x = model.embed(model.wte(idx) + model.wpe(pos))  # [1, 1, D]; dropout is off in eval
+    """The stream x [1, T, D] at positions pos [T] (a tensor, so every position runs the same graph)
+    through ``blocks``, writing keys and values into the caches [L, 1, H, T_max, Dh]; [1, T, D]. The
+    caller checks that the positions are inside the cache."""
     for i in blocks:
-        x = model.blocks[i](x, (k_cache[i], v_cache[i]), pos, overwrite=i in overwrite)  # [1, 1, D]
-    return model.unembed(x)[:, -1]  # [1, V]
+        x = model.blocks[i](x, (k_cache[i], v_cache[i]), pos, overwrite=i in overwrite)  # [1, T, D]
+    return x
 
 
-def eager_reason(block_set: BlockSet) -> str | None:
-    """Why a decoder under ``block_set`` cannot take the fast step (None: it can)."""
+def static_feed(model: GPT, blocks, overwrite, idx, pos, k_cache, v_cache) -> torch.Tensor:
+    """Token idx [1, 1] at position pos [1] through ``blocks``: the stream leaving them [1, 1, D]."""
+    x = model.embed(model.wte(idx) + model.wpe(pos))  # [1, 1, D]; dropout is off in eval
+    return static_blocks(model, blocks, overwrite, x, pos, k_cache, v_cache)
+
+
+def static_read(model: GPT, lens_block: int | None, x: torch.Tensor) -> torch.Tensor:
+    """The last position of x [1, T, D] read out, through the tuned lens's translator of
+    ``lens_block`` (None: the logit lens): the logits [1, V]."""
+    x = x[:, -1:]  # [1, 1, D]
+    return model.unembed(x if lens_block is None else model.tuned_lens(lens_block, x))[:, -1]  # [1, V]
+
+
+def static_step(model: GPT, blocks, overwrite, lens_block, idx, pos, k_cache, v_cache) -> torch.Tensor:
+    """One decode step with static shapes: token idx [1, 1] at position pos [1] through ``blocks``,
+    read out (through ``lens_block``'s translator); the logits [1, V]."""
+    return static_read(model, lens_block, static_feed(model, blocks, overwrite, idx, pos, k_cache, v_cache))
+
+
+def static_draft(model: GPT, blocks, overwrite, lens_block, idx, pos, k_cache, v_cache):
+    """A self-speculation draft: ``static_step`` through the drafting blocks, which also returns the
+    stream leaving them [1, 1, D] (verification continues it) beside the logits [1, V]."""
+    x = static_feed(model, blocks, overwrite, idx, pos, k_cache, v_cache)  # [1, 1, D]
+    return x, static_read(model, lens_block, x)
+
+
+def static_verify(model: GPT, blocks, overwrite, x, pos, k_cache, v_cache) -> torch.Tensor:
+    """A self-speculation round's verification: the drafts' streams x [1, T, D] at positions pos [T]
+    through the remaining ``blocks``, every position read out: the logits [T, V]."""
+    return model.unembed(static_blocks(model, blocks, overwrite, x, pos, k_cache, v_cache))[0]  # [T, V]
+
+
+def eager_reason(block_set: BlockSet, graphs: bool = False) -> str | None:
+    """Why a decoder under ``block_set`` cannot take the fast step (None: it can); ``graphs``: the
+    steps are CUDA graphs."""
     if block_set.is_adaptive:
         return "adaptive exit decides after each block, on the host"
-    if block_set.is_speculative:
-        return "self-speculation drafts and verifies several positions per round"
-    if block_set.lens == "tuned":
-        return "lens=tuned reads its exit out through a translator the static step does not hold"
+    if graphs and block_set.is_speculative:
+        return "self-speculation's rounds are compiled on the CPU, not captured in CUDA graphs"
     return None
 
 
@@ -173,6 +204,9 @@ class FastDecode:
         self.steps: dict[tuple, Callable[..., torch.Tensor]] = {}
         self.fallbacks: Counter[str] = Counter()
         self.modules = list(model.modules())
+        self.backend = (
+            "inductor"  # torch.compile's; "eager" traces the same graphs without code generation (tests)
+        )
         if not self.graphs:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_compile_cache_dir()))
             # one graph per length bucket and block set: more than dynamo's default of 8 per function
@@ -180,7 +214,7 @@ class FastDecode:
 
     def takes(self, block_set: BlockSet) -> bool:
         """Whether decoders under ``block_set`` take the fast step; if not, says why (once per reason)."""
-        reason = eager_reason(block_set)
+        reason = eager_reason(block_set, self.graphs)
         if reason is not None:
             self.fell_back(reason)
         return reason is None
@@ -207,23 +241,72 @@ class FastDecode:
         return not hooked
 
     @torch.inference_mode()
-    def step(self, blocks: list[int], overwrite: frozenset[int], cache: KVCache, token: int) -> torch.Tensor:
-        """One fast step of ``token`` at ``cache.length``: the logits [V] (the caller moves the length)."""
-        idx = torch.tensor([[token]], device=self.device)  # [1, 1]
-        pos = torch.tensor([cache.length], device=self.device)  # [1]
-        key = (tuple(blocks), overwrite, cache.max_len, id(cache) if self.graphs else None)
-        run = self.steps.get(key)
-        if run is None:
-            run = self.steps[key] = self._build(key[0], overwrite, cache, idx, pos)
-        if self.graphs:
-            return run(idx, pos)[0].clone()  # the graph's output is overwritten by the next replay
-        return run(idx, pos, cache.k, cache.v)[0]
+    def step(
+        self, blocks: list[int], overwrite: frozenset[int], cache: KVCache, token: int, lens_block: int | None
+    ) -> torch.Tensor:
+        """One fast step of ``token`` at ``cache.length``, read out through ``lens_block``'s translator
+        (None: the logit lens): the logits [V] (the caller moves the length)."""
+        idx, pos = self._inputs(token, cache.length)
+        bound = (tuple(blocks), overwrite, lens_block)
+        if not self.graphs:
+            return self._compiled(("step", *bound, cache.max_len), static_step, *bound)(
+                idx, pos, cache.k, cache.v
+            )[0]
+        key = ("graph", *bound, id(cache))
+        if key not in self.steps:  # the cache is static: captured in place; token and position are copied in
+            step = functools.partial(static_step, self.model, *bound)
+            self.steps[key] = GraphedStep(lambda i, p: step(i, p, cache.k, cache.v), (idx, pos), self.capture)
+        return self.steps[key](idx, pos)[0].clone()  # the graph's output is overwritten by the next replay
 
-    def _build(self, blocks, overwrite, cache, idx, pos) -> Callable[..., torch.Tensor]:
-        step = functools.partial(static_step, self.model, blocks, overwrite)
-        if self.graphs:  # the cache is static: captured in place; token and position are copied in
-            return GraphedStep(lambda i, p: step(i, p, cache.k, cache.v), (idx, pos), self.capture)
-        return torch.compile(step, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
+    @torch.inference_mode()
+    def draft(
+        self, blocks: list[int], overwrite: frozenset[int], cache: KVCache, token: int, position: int,
+        lens_block: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """A self-speculation draft of ``token`` at ``position`` (``static_draft``; the cache's length
+        stays): the stream leaving ``blocks`` [1, 1, D] and the logits [V]."""
+        idx, pos = self._inputs(token, position)
+        bound = (tuple(blocks), overwrite, lens_block)
+        x, logits = self._compiled(("draft", *bound, cache.max_len), static_draft, *bound)(
+            idx, pos, cache.k, cache.v
+        )
+        return x, logits[0]
+
+    @torch.inference_mode()
+    def feed(
+        self, blocks: list[int], overwrite: frozenset[int], cache: KVCache, token: int, position: int
+    ) -> torch.Tensor:
+        """``draft`` without the read-out: a round's last draft, which only verification reads."""
+        idx, pos = self._inputs(token, position)
+        bound = (tuple(blocks), overwrite)
+        return self._compiled(("feed", *bound, cache.max_len), static_feed, *bound)(
+            idx, pos, cache.k, cache.v
+        )
+
+    @torch.inference_mode()
+    def verify(
+        self, blocks: list[int], overwrite: frozenset[int], cache: KVCache, streams: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """A round's verification (``static_verify``) of the drafts' streams [1, T, D] at positions
+        start..: the logits [T, V]. Each T compiles once (a round drafts fewer near the end)."""
+        pos = torch.arange(start, start + streams.size(1), device=self.device)  # [T]
+        bound = (tuple(blocks), overwrite)
+        key = ("verify", *bound, streams.size(1), cache.max_len)
+        return self._compiled(key, static_verify, *bound)(streams, pos, cache.k, cache.v)
+
+    def _inputs(self, token: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's token [1, 1] and position [1], as tensors (a position is an input, not a constant)."""
+        return torch.tensor([[token]], device=self.device), torch.tensor([position], device=self.device)
+
+    def _compiled(self, key: tuple, fn: Callable[..., torch.Tensor], *bound) -> Callable[..., torch.Tensor]:
+        """``fn`` for the model and the ``bound`` arguments (blocks, overwrite...), compiled once per key."""
+        if key not in self.steps:
+            fn = functools.partial(fn, self.model, *bound)
+            options = INDUCTOR_OPTIONS if self.backend == "inductor" else None
+            self.steps[key] = torch.compile(
+                fn, fullgraph=True, dynamic=False, backend=self.backend, options=options
+            )
+        return self.steps[key]
 
 
 def accelerate(model: GPT, mode: Mode | None = None, capture=cuda_capture) -> GPT:

@@ -47,6 +47,13 @@ def rows_alone() -> Iterator[None]:
         ROWS_ALONE.reset(token)
 
 
+def taking_rows_alone() -> bool:
+    """Whether a product now takes each row alone: under ``rows_alone``, outside ``torch.compile``.
+    Compiled code (``lab.fast``) only ever holds one sequence, whose rows are its own positions, so
+    another request cannot change them; and dynamo cannot read a ContextVar."""
+    return not torch.compiler.is_compiling() and ROWS_ALONE.get()
+
+
 def matmul_rows_alone(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x2d [N, Din] @ weight [Din, Dout] (+ bias), each row with the one-row kernel: [N, Dout]."""
     N, d_in = x2d.shape
@@ -80,7 +87,7 @@ class Linear(nn.Module):
                 y = torch.mv(w_out_in, x2d[0])  # [Dout]
             else:
                 y = torch.addmv(self.bias, w_out_in, x2d[0])  # [Dout]
-        elif ROWS_ALONE.get():
+        elif taking_rows_alone():
             y = matmul_rows_alone(x2d, self.weight, self.bias)  # [N, Dout]
         elif self.bias is None:
             y = x2d @ self.weight  # [N, Dout]
@@ -125,14 +132,15 @@ def extend_cache(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, pos: int) 
 def attend_static(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, pos: torch.Tensor
 ) -> torch.Tensor:
-    """The newest token's attention over a static cache: q, k, v [B, H, 1, Dh] at position pos [1], a
-    tensor. k and v are written there and every slot of the cache is read, those after pos masked, so
-    the shapes do not change with the position (``lab.fast`` compiles or captures one graph for all)."""
+    """The newest tokens' attention over a static cache: q, k, v [B, H, T, Dh] at positions pos [T], a
+    tensor. k and v are written there and every slot of the cache is read, those after each query's
+    position masked, so the shapes do not change with the position (``lab.fast`` compiles or captures
+    one graph for all): T is 1 for a decode step, a round's drafts plus one for its verification."""
     k_cache, v_cache = cache  # [B, H, T_max, Dh] each
     k_cache.index_copy_(2, pos, k)
     v_cache.index_copy_(2, pos, v)
-    allowed = (torch.arange(k_cache.size(2), device=q.device) <= pos)[None]  # [1, T_max]
-    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=allowed)  # [B, H, 1, Dh]
+    allowed = torch.arange(k_cache.size(2), device=q.device)[None] <= pos[:, None]  # [T, T_max]
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=allowed)  # [B, H, T, Dh]
 
 
 class CausalSelfAttention(nn.Module):
@@ -158,8 +166,8 @@ class CausalSelfAttention(nn.Module):
         pos: int | list[int] | torch.Tensor = 0,
     ) -> torch.Tensor:
         """``cache`` as a list: one per row ([1, H, T_max, Dh] each), row b at position ``pos[b]`` (rows of
-        different sequences decoded together, ``lab.decode.decode_rows``). ``pos`` as a tensor [1]: one
-        token over a static cache (``attend_static``)."""
+        different sequences decoded together, ``lab.decode.decode_rows``). ``pos`` as a tensor [T]: tokens
+        over a static cache (``attend_static``)."""
         B, T, D = x.shape
         H, Dh = self.n_head, self.head_dim
         qkv = self.qkv(self.c_attn(x))  # [B, T, 3D]
@@ -174,7 +182,7 @@ class CausalSelfAttention(nn.Module):
             ]
             y = torch.cat(rows)  # [B, H, T, Dh]
         elif isinstance(pos, torch.Tensor):
-            y = attend_static(q, k, v, cache, pos)  # [B, H, 1, Dh]
+            y = attend_static(q, k, v, cache, pos)  # [B, H, T, Dh]
         else:
             if cache is not None:
                 k, v = extend_cache(cache, k, v, pos)  # [B, H, S, Dh], S = pos + T
@@ -418,7 +426,7 @@ class GPT(nn.Module):
             logits = self.read_out(h)  # [B, T, V_read or V]
         elif h.numel() == h.size(-1):  # one position (decoding): a matrix-vector product, as in Linear
             logits = torch.mv(table, h.reshape(-1)).view(*h.shape[:-1], -1)  # [1, 1, V_read or V]
-        elif ROWS_ALONE.get():
+        elif taking_rows_alone():
             rows = matmul_rows_alone(h.reshape(-1, h.size(-1)), table.t(), None)  # [B*T, V_read or V]
             logits = rows.view(*h.shape[:-1], -1)  # [B, T, V_read or V]
         else:

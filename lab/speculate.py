@@ -9,7 +9,8 @@ run twice). Greedy: the drafts up to the first the full model disagrees with, th
 token there (or after the last draft). Sampling: speculative sampling's rule (accept a draft d with
 probability min(1, p(d)/q(d)), else draw from max(0, p - q) normalised), so tokens are distributed as
 the full set's. The keys and values of rejected drafts are left past the cache's length and
-overwritten later.
+overwritten later. On a model with ``lab.fast``'s compiled steps, the drafts and the verification
+run as compiled graphs (``FastDecode.draft``, ``feed`` and ``verify``) on the decoder's cache.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ class Speculator:
         self.model = model
         self.k = block_set.draft_tokens
         self.decoder = Decoder(model, block_set.without_speculation(), max_len=max_len)
-        if model.fast is not None:  # rounds run several positions at once, eagerly (lab.fast says so)
-            model.fast.takes(block_set)
+        # lab.fast: compiled drafts and verifications (on the decoder's cache), where the mode allows
+        self.fast = (
+            self.decoder.fast if self.decoder.fast is not None and model.fast.takes(block_set) else None
+        )
         self.draft_blocks = [i for i in self.decoder.blocks if i < block_set.speculate]
         self.verify_blocks = [i for i in self.decoder.blocks if i >= block_set.speculate]
         self.lens = require_tuned_lens(model, block_set)  # the drafts' read-out (None: the logit lens)
@@ -74,9 +77,14 @@ class Speculator:
             logits = logits.float()
             token = pick_token(logits, sampling, generator)
             return [(token, float(logits[token] - torch.logsumexp(logits, dim=-1)))]
-        streams, drafts, draft_probs = self._draft(last, start, k, sampling, generator)
-        x = self._through(self.verify_blocks, torch.cat(streams, dim=1), start)  # [1, k+1, D]
-        target = self.model.unembed(x)[0].float()  # [k+1, V]: the full set's logits after each input
+        fast = self.fast if self.fast is not None and self.fast.ready() else None
+        streams, drafts, draft_probs = self._draft(last, start, k, sampling, generator, fast)
+        fed = torch.cat(streams, dim=1)  # [1, k+1, D]
+        if fast is not None:
+            target = fast.verify(self.verify_blocks, self.overwrite, decoder.cache, fed, start).float()
+        else:
+            target = self.model.unembed(self._through(self.verify_blocks, fed, start))[0].float()
+        # target [k+1, V]: the full set's logits after each input
         out = self._verify(target, drafts, draft_probs, sampling, generator)
         self.stats.rounds += 1
         self.stats.drafted += k
@@ -84,19 +92,20 @@ class Speculator:
         decoder.cache.length = start + len(out)  # the inputs kept: last and the accepted drafts
         return out
 
-    def _draft(self, last: int, start: int, k: int, sampling: SamplingParams, generator: torch.Generator):
+    def _draft(
+        self, last: int, start: int, k: int, sampling: SamplingParams, generator: torch.Generator, fast
+    ):
         """k drafted tokens after ``last``; the streams [1, 1, D] leaving the draft blocks for ``last``
-        and each draft, and the distribution each draft was drawn from (sampling only)."""
-        device = self.model.wte.weight.device
+        and each draft, and the distribution each draft was drawn from (sampling only). ``fast``: the
+        model's ``lab.fast.FastDecode``, whose compiled steps draft (None: eager)."""
         streams, drafts, draft_probs = [], [], []
         token = last
         for j in range(k + 1):  # the last draft is fed too: verification reads the full model after it
-            x = self.model.embed_tokens(torch.tensor([[token]], device=device), start + j)  # [1, 1, D]
-            streams.append(self._through(self.draft_blocks, x, start + j))
             if j == k:
+                streams.append(self._feed(token, start + j, fast))
                 break
-            read = translate_exits(self.lens, streams[-1], self.draft_exit)  # [1, 1, D]
-            logits = self.model.unembed(read)[0, -1].float()  # [V]: the draft's read-out
+            stream, logits = self._draft_step(token, start + j, fast)
+            streams.append(stream)
             if sampling.temperature == 0.0:
                 token = int(logits.argmax())
             else:
@@ -104,6 +113,26 @@ class Speculator:
                 token = int(torch.multinomial(draft_probs[-1], 1, generator=generator))
             drafts.append(token)
         return streams, drafts, draft_probs
+
+    def _feed(self, token: int, pos: int, fast) -> torch.Tensor:
+        """``token`` at ``pos`` through the draft blocks: the stream leaving them [1, 1, D]."""
+        if fast is not None:
+            return fast.feed(self.draft_blocks, self.overwrite, self.decoder.cache, token, pos)
+        x = self.model.embed_tokens(torch.tensor([[token]], device=self.model.wte.weight.device), pos)
+        return self._through(self.draft_blocks, x, pos)  # [1, 1, D]
+
+    def _draft_step(self, token: int, pos: int, fast) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_feed``, and the draft's read-out of the stream (the tuned lens's, under lens=tuned):
+        the stream [1, 1, D] and the logits [V], in float32."""
+        if fast is not None:
+            cache = self.decoder.cache
+            stream, logits = fast.draft(
+                self.draft_blocks, self.overwrite, cache, token, pos, self.draft_exit[0]
+            )
+            return stream, logits.float()
+        stream = self._feed(token, pos, None)
+        read = translate_exits(self.lens, stream, self.draft_exit)  # [1, 1, D]
+        return stream, self.model.unembed(read)[0, -1].float()  # [V]
 
     def _verify(
         self,

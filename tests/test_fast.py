@@ -22,8 +22,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 N_LAYER = 4
 PROMPT = tokens.encode("The quick brown fox jumps over")
-FAST_KINDS = ["all", "skip=1", "keep=0,2", "exit=2", "overwrite=1", "skip=0;exit=3;overwrite=2"]
-EAGER_KINDS = ["adaptive=0.9;min=2", "speculate=2;k=3", "exit=2;lens=tuned"]
+FAST_KINDS = [
+    "all",
+    "skip=1",
+    "keep=0,2",
+    "exit=2",
+    "overwrite=1",
+    "skip=0;exit=3;overwrite=2",
+    "exit=2;lens=tuned",
+]
+EAGER_KINDS = ["adaptive=0.9;min=2", "speculate=2;k=3"]  # under CUDA graphs (speculation compiles on the CPU)
+SPECULATING = ["speculate=2;k=3", "skip=1;speculate=2;k=2;lens=tuned", "speculate=1;k=4;overwrite=2"]
 
 
 def tiny(device="cpu"):
@@ -67,8 +76,45 @@ def test_kinds_that_cannot_take_it_fall_back_and_say_so(spec, caplog):
     with caplog.at_level("INFO", logger="lab.fast"):
         got = [s.token for s in generate(quick, PROMPT, 6, block_set=block_set)]
     assert got == [s.token for s in generate(eager, PROMPT, 6, block_set=block_set)]
-    assert set(quick.fast.fallbacks) == {fast.eager_reason(block_set)}
+    assert set(quick.fast.fallbacks) == {fast.eager_reason(block_set, graphs=True)}
     assert "falls back to the eager step" in caplog.text
+
+
+def traced(model):
+    """``model`` with compiled fast steps whose graphs dynamo traces but inductor does not generate
+    (the compile path's logic in seconds; test_the_compiled_cpu_step_equals_the_eager_step generates)."""
+    fast.accelerate(model, "compile").fast.backend = "eager"
+    return model
+
+
+@pytest.mark.parametrize("spec", SPECULATING)
+def test_speculation_drafts_and_verifies_through_compiled_graphs(spec):
+    """Self-speculation's rounds take the compiled path: drafts of one position, verifications of a
+    round's positions in one graph (one per round length), the full set's greedy tokens as eager."""
+    eager, quick = tiny(), traced(tiny())
+    block_set = BlockSet.parse(spec, N_LAYER)
+    got = [s.token for s in generate(quick, PROMPT, 12, block_set=block_set)]
+    assert got == [s.token for s in generate(eager, PROMPT, 12, block_set=block_set)]
+    assert got == [s.token for s in generate(eager, PROMPT, 12, block_set=block_set.without_speculation())]
+    kinds = {key[0] for key in quick.fast.steps}
+    assert {"draft", "feed", "verify"} <= kinds and not quick.fast.fallbacks
+
+
+def test_a_verification_over_a_static_cache_equals_the_eager_pass():
+    """The positions of a round (several queries over the static cache, each masked at its own
+    position) give the logits the eager pass over the same cache gives, and the same keys and values."""
+    quick, eager = traced(tiny()), tiny()
+    decoders = [Decoder(m, max_len=64) for m in (quick, eager)]
+    for decoder in decoders:
+        decoder.prefill(PROMPT)
+    start = len(PROMPT)
+    x = torch.randn(1, 4, 64)  # [1, T, D]: four positions' streams entering block 2
+    got = quick.fast.verify([2, 3], frozenset(), decoders[0].cache, x, start)  # [T, V]
+    expected = eager.unembed(eager.run_blocks(x, [2, 3], decoders[1].cache, start))[0]  # [T, V]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for i in (2, 3):
+        got_k, want_k = decoders[0].cache.layer(i)[0], decoders[1].cache.layer(i)[0]
+        torch.testing.assert_close(got_k[..., : start + 4, :], want_k[..., : start + 4, :])
 
 
 def test_a_hook_sends_the_step_to_the_eager_path_and_sees_its_tensors():
@@ -124,7 +170,7 @@ def test_a_decoders_static_cache_returns_to_the_pool_when_it_is_collected():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["all", "exit=2;overwrite=1"])
+@pytest.mark.parametrize("spec", ["all", "exit=2;overwrite=1", "exit=2;lens=tuned"])
 def test_the_compiled_cpu_step_equals_the_eager_step(spec, tmp_path, monkeypatch):
     """inductor's C++ for the step (cached on disk under TORCHINDUCTOR_CACHE_DIR)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))

@@ -89,7 +89,9 @@ def test_a_tuned_draft_is_the_exit_through_the_lens(model):
     for lens in ("tuned", "logit"):
         speculator = Speculator(model, BlockSet.parse(f"speculate=2;k=6;lens={lens}", 4), max_len=64)
         speculator.decoder.prefill(prompt)
-        _, drafts[lens], _ = speculator._draft(fed, len(prompt), 6, GREEDY, torch.Generator())
+        _, drafts[lens], _ = speculator._draft(
+            fed, len(prompt), 6, GREEDY, torch.Generator(), speculator.fast
+        )
     exit_decoder, exit_tokens, token = Decoder(model, BlockSet.parse("exit=2;lens=tuned", 4)), [], fed
     exit_decoder.prefill(prompt)
     for _ in range(6):

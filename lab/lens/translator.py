@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from lab.blocks import BlockSet
 from lab.errors import UserError
-from lab.model import GPT, ROWS_ALONE, matmul_rows_alone
+from lab.model import GPT, matmul_rows_alone, taking_rows_alone
 
 FILE = "tuned_lens.safetensors"
 FORMAT = "blocklab-tuned-lens"
@@ -37,7 +37,7 @@ def _product(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (batch invariance), and one row as a matrix-vector product, as ``lab.model.Linear`` multiplies."""
     if x2d.size(0) == 1:
         return torch.mv(weight.t(), x2d[0])[None]  # [1, Dout]
-    if ROWS_ALONE.get():
+    if taking_rows_alone():
         return matmul_rows_alone(x2d, weight, None)  # [N, Dout]
     return x2d @ weight  # [N, Dout]
 
