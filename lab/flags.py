@@ -191,12 +191,12 @@ def script_parser(main: Callable) -> Parser:
 
 def call(main: Callable, argv: Sequence[str] | None = None) -> Any:
     """A script's entry point: ``argv`` (default: the command line) parsed by ``script_parser(main)``
-    into ``main``'s parameters, and ``main`` called. A bad flag prints one line and exits with status 2,
-    as argparse does."""
+    into ``main``'s parameters, and ``main`` called. A bad flag, or a UserError from ``main``, prints
+    one line and exits with status 2, as argparse does."""
     parser = script_parser(main)
     try:
         args = parser.parse(sys.argv[1:] if argv is None else argv)
+        return main(**args.as_dict())
     except UserError as error:
         print(f"{parser.prog}: " + " ".join(str(error).split()), file=sys.stderr)
         raise SystemExit(2) from None
-    return main(**args.as_dict())

@@ -57,7 +57,10 @@ def latency_ms(seconds: Sequence[float], quantiles: Sequence[int] = (50, 90, 99)
 
 def interleaved(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
     """Each measurement's values over ``rounds`` rounds, each round taking every measurement once in
-    turn, after one warm-up call of each (compiles, caches): drift and load then fall on all alike."""
+    turn, after one warm-up call of each (compiles, caches): drift and load then fall on all alike.
+    UserError for fewer than 2 rounds: the figures these feed carry an interval, which needs two."""
+    if rounds < 2:
+        raise UserError(f"--rounds {rounds}: at least 2 (every figure comes with its interval)")
     for measure in measures.values():
         measure()
     values: dict[str, list[float]] = {name: [] for name in measures}

@@ -110,6 +110,21 @@ def test_a_typed_function_is_a_command():
     assert "Training steps per run." in flags.command_parser(command, "test").format_help()
 
 
+def test_a_script_prints_a_user_error_from_main_as_one_line(capsys):
+    def main(rounds: int = 5) -> int:
+        """A script.
+
+        Args:
+            rounds: Rounds.
+        """
+        raise UserError(f"--rounds {rounds}: at least\n    2")
+
+    with pytest.raises(SystemExit) as exit_:
+        flags.call(main, ["--rounds", "1"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("--rounds 1: at least 2")
+
+
 def test_options_make_the_dataclass():
     parser = flags.Parser("test")
     parser.add_options(Options)

@@ -106,3 +106,10 @@ def test_interleaved_warms_up_each_then_takes_every_measurement_once_per_round()
     values = interleaved({"a": measure("a"), "b": measure("b")}, rounds=2)
     assert calls == ["a", "b"] * 3  # a warm-up call of each, then two rounds in turn
     assert values == {"a": [3.0, 5.0], "b": [4.0, 6.0]}  # the warm-up's values are not kept
+
+
+def test_one_round_is_refused_before_anything_is_measured():
+    calls = []
+    with pytest.raises(UserError, match="at least 2"):
+        interleaved({"a": lambda: calls.append("a") or 1.0}, rounds=1)
+    assert calls == []
