@@ -13,6 +13,11 @@ against int8, q4_0 against int4 (weight-only, both: q8_0 and q4_0 keep a scale p
 per output row or per group). Each round times every configuration once: llama.cpp's
 ``llama-bench -r 1`` decoding ``--tokens`` after ``--prompt-tokens`` of context (``-d``), ours
 ``Decoder.step`` after a prompt of the same length.
+
+``--serving`` compares serving instead (``scripts/peer_serving.py``): ``llama-server`` with 4 slots
+on the q4_0 file against ``blocklab serve --dtype int4`` at its defaults, 4 closed-loop streaming
+clients on each one's OpenAI completions route, then lone requests: requests/s, TTFT, time per
+output token, inter-token latency and lone end-to-end latency.
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ from pathlib import Path
 
 import torch
 from bench_decode import ms_per_token_ours
+from peer_serving import LlamaServer, compare
 
 from lab import fast, flags
 from lab.blocks import BlockSet
 from lab.machine import cpu_description
 from lab.measure import interleaved, interval
 from lab.weights import load_model, save_hf_dir
+from serve.process import ServerProcess
 
 PAIRS = {"f32": "float32", "q8_0": "int8", "q4_0": "int4"}
 """llama.cpp's weight type and ours that stores as many bits per weight."""
@@ -70,6 +77,9 @@ def main(
     tokens: int = 32,
     prompt_tokens: int = 32,
     rounds: int = 9,
+    serving: bool = False,
+    clients: int = 4,
+    requests: int = 8,
     json: Path | None = None,
 ) -> None:
     """Measure, print the table and the JSON, and write the JSON to ``json`` if given.
@@ -82,12 +92,18 @@ def main(
         tokens: Tokens decoded per measurement.
         prompt_tokens: Tokens of context before them.
         rounds: Rounds; each times every configuration once.
+        serving: Compare serving (llama-server against blocklab serve, int4) instead of batch-1 decoding.
+        clients: Serving: concurrent streaming clients.
+        requests: Serving: requests per client per round.
         json: Also write the results here.
     """
     torch.set_num_threads(threads)
     llama_cpp = llama_cpp.expanduser()
     bin_dir = (build.expanduser() if build else llama_cpp / "build") / "bin"
     files = gguf_files(llama_cpp, bin_dir, gguf_dir.expanduser())
+    if serving:
+        load = (threads, tokens, prompt_tokens, rounds, clients, requests)
+        return serve_against(bin_dir, files["q4_0"], *load, json)
     bench = bin_dir / "llama-bench"
     prompt = torch.randint(0, 50257, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     ours = {dtype: load_model("gpt2-random", dtype) for dtype in PAIRS.values()}
@@ -126,6 +142,38 @@ def main(
         )
     for kind, ratio in ratios.items():
         print(f"{'ours / llama.cpp ' + kind:>32}  {ratio:.2f}", file=sys.stderr)
+    text = dumps(results, indent=2)
+    print(text)
+    if json:
+        json.write_text(text)
+
+
+def serve_against(bin_dir: Path, gguf: Path, threads: int, tokens: int, prompt_tokens: int, rounds: int,
+                  clients: int, requests: int, json: Path | None) -> None:  # fmt: skip
+    """``--serving``: both servers up, ``peer_serving.compare``'s rounds, the figures and their ratios."""
+    ours = ServerProcess(["--model", "gpt2-random", "--dtype", "int4"], startup_timeout=300)
+    with LlamaServer(bin_dir / "llama-server", gguf, threads) as llama, ours:
+        load_before = os.getloadavg()
+        figures = compare(
+            {"llama-server q4_0": llama.url, "blocklab int4": ours.url},
+            rounds, clients, requests, prompt_tokens, tokens,
+        )  # fmt: skip
+    theirs, own = figures["llama-server q4_0"], figures["blocklab int4"]
+    results = {
+        "machine": cpu_description(), "threads": threads, "clients": clients, "requests": requests,
+        "rounds": rounds, "prompt_tokens": prompt_tokens, "max_tokens": tokens,
+        "load_before": load_before, "load_after": os.getloadavg(), "servers": figures,
+        "ours_over_llama_server": {key: own[key] / theirs[key] for key in own if not key.endswith("_ci")},
+        "ours_tpot_over_itl": own["tpot_p50_ms"] / own["itl_p50_ms"],
+    }  # fmt: skip
+    for name, figure in figures.items():
+        low, high = figure["requests_per_s_ci"]
+        print(
+            f"{name:>18}  {figure['requests_per_s']:.2f} req/s [{low:.2f}, {high:.2f}]  "
+            f"TTFT {figure['ttft_p50_ms']:.0f} ms  TPOT {figure['tpot_p50_ms']:.1f} ms  "
+            f"ITL {figure['itl_p50_ms']:.1f} ms  lone {figure['lone_e2e_p50_ms']:.0f} ms",
+            file=sys.stderr,
+        )
     text = dumps(results, indent=2)
     print(text)
     if json:

@@ -1,0 +1,121 @@
+"""Serving against llama-server: the same GPT-2 small weights at 4 bits, the same cores, the same
+closed-loop streaming clients on the OpenAI completions route of each (``scripts/bench_llama_cpp.py
+--serving``).
+
+Each round runs ``clients`` closed-loop clients, each sending ``requests`` streamed completions of
+``max_tokens`` tokens (``ignore_eos``, greedy) after a prompt of ``prompt_tokens`` random token ids
+(a fresh prompt per request, so llama-server's per-slot prompt cache has nothing to reuse), then
+``lone`` requests one at a time. The two servers run side by side and idle while the other is
+measured; rounds alternate between them, so drift and load fall on both alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import subprocess
+import time
+from json import loads
+from pathlib import Path
+
+import httpx
+
+from lab.measure import interval
+from serve.process import free_port
+
+SLOTS = 4
+"""llama-server's parallel slots (``-np``): as many as the clients, as its docs suggest for N users."""
+
+
+class LlamaServer:
+    """``llama-server`` on a free loopback port, with ``SLOTS`` slots and ``threads`` threads."""
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, context: int = 1024):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [str(binary), "-m", str(gguf), "-t", str(threads), "-np", str(SLOTS)]
+        self.command += ["-c", str(context * SLOTS), "--port", str(self.port), "--log-disable"]
+
+    def __enter__(self) -> LlamaServer:
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.process.returncode}: {self.command}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.process.kill()
+        raise RuntimeError("llama-server not ready after 120 s")
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+
+async def completion(http: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: seconds to the first token, between tokens, and end to end."""
+    body = {"model": "gpt2", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0.0}  # fmt: skip
+    start = time.perf_counter()
+    arrivals = []
+    async with http.stream("POST", url + "/v1/completions", json=body) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if loads(line[6:]).get("choices"):  # a token's chunk (the usage chunk has none)
+                arrivals.append(time.perf_counter())
+    end = time.perf_counter()
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return {"ttft_s": arrivals[0] - start, "gaps_s": gaps, "e2e_s": end - start}
+
+
+async def closed_loop(url: str, clients: int, requests: int, prompt_tokens: int, max_tokens: int, seed: int):
+    """``clients`` clients, each sending ``requests`` completions back to back: requests per second,
+    and every request's timings."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(50257) for _ in range(prompt_tokens)] for _ in range(clients * requests)]
+    async with httpx.AsyncClient(timeout=300) as http:
+        await completion(http, url, prompts[0], 2)  # warm: connections, first-call allocations
+
+        async def client(number: int) -> list[dict]:
+            own = prompts[number::clients]
+            return [await completion(http, url, prompt, max_tokens) for prompt in own]
+
+        start = time.perf_counter()
+        done = await asyncio.gather(*(client(n) for n in range(clients)))
+        wall = time.perf_counter() - start
+        replies = [reply for replies in done for reply in replies]
+        lone = [await completion(http, url, prompt, max_tokens) for prompt in prompts[:3]]
+    return {"requests_per_s": len(replies) / wall, "replies": replies, "lone": lone}
+
+
+def summary(rounds: list[dict]) -> dict:
+    """Medians over every round's requests, with intervals of requests/s over the rounds."""
+    replies = [r for one in rounds for r in one["replies"]]
+    rates = [one["requests_per_s"] for one in rounds]
+    tpot = [statistics.mean(r["gaps_s"]) for r in replies if r["gaps_s"]]
+    return {
+        "requests_per_s": statistics.median(rates),
+        "requests_per_s_ci": list(interval(rates)),
+        "ttft_p50_ms": 1e3 * statistics.median(r["ttft_s"] for r in replies),
+        "tpot_p50_ms": 1e3 * statistics.median(tpot),
+        "itl_p50_ms": 1e3 * statistics.median(g for r in replies for g in r["gaps_s"]),
+        "lone_e2e_p50_ms": 1e3 * statistics.median(r["e2e_s"] for one in rounds for r in one["lone"]),
+    }
+
+
+def compare(servers: dict[str, str], rounds: int, clients: int, requests: int, prompt_tokens: int,
+            max_tokens: int) -> dict:  # fmt: skip
+    """Every server's ``closed_loop`` once per round, in turn; each one's ``summary``."""
+    measured: dict[str, list[dict]] = {name: [] for name in servers}
+    for number in range(rounds):
+        for name, url in servers.items():
+            load = closed_loop(url, clients, requests, prompt_tokens, max_tokens, seed=number)
+            measured[name].append(asyncio.run(load))
+    return {name: summary(values) for name, values in measured.items()}
