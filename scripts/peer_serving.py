@@ -80,8 +80,10 @@ async def closed_loop(url: str, clients: int, requests: int, prompt_tokens: int,
     and every request's timings."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(50257) for _ in range(prompt_tokens)] for _ in range(clients * requests)]
-    async with httpx.AsyncClient(timeout=300) as http:
-        await completion(http, url, prompts[0], 2)  # warm: connections, first-call allocations
+    # a connection per request: llama-server may close a kept-alive one as the next request goes out
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=300, limits=fresh) as http:
+        await completion(http, url, prompts[0], 2)  # warm: first-call allocations
 
         async def client(number: int) -> list[dict]:
             own = prompts[number::clients]
