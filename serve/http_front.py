@@ -238,16 +238,14 @@ class Submission:
     async def next_event(self, client: Request | None = None) -> dict:
         """The next event; a ``done`` or ``error`` event is the last. With ``client``, a client that
         disconnects while this waits ends it with a 499 error event (``close`` then cancels the job)."""
-        if client is None:
-            return self._seen(await self.channel.next_event())
-        if self._gone is None:
+        if client is not None and self._gone is None:
             self._gone = asyncio.ensure_future(_disconnected(client))
-        waiting = asyncio.ensure_future(self.channel.next_event())
-        await asyncio.wait({waiting, self._gone}, return_when=asyncio.FIRST_COMPLETED)
-        if waiting.done():
-            return self._seen(waiting.result())
-        waiting.cancel()
-        return self._seen(error_event(CLIENT_GONE, "client disconnected"))
+            self._gone.add_done_callback(self._client_left)
+        return self._seen(await self.channel.next_event())
+
+    def _client_left(self, watch: asyncio.Future) -> None:
+        if not watch.cancelled():  # not ended by ``stop_watching``
+            self.channel.interrupt(error_event(CLIENT_GONE, "client disconnected"))
 
     async def final_event(self, client: Request | None = None) -> dict:
         """Wait through any token events for the ``done`` or ``error`` event."""
