@@ -169,7 +169,11 @@ class HttpMetricsMiddleware:
         self.app, self.metrics, self.routes = app, metrics, routes
 
     def route_of(self, scope: Scope) -> str:
-        """The path template of the route ``scope`` is for (another method's too: its 405), else other."""
+        """The path template of the route ``scope`` is for (another method's too: its 405), else other.
+        A request that reached the router has it already (Starlette's ``scope["route"]``, chosen by
+        the same rule); one refused before routing is matched here."""
+        if "route" in scope:
+            return scope["route"].path
         partial = "other"
         for route in self.routes:
             match, _ = route.matches(scope)
@@ -283,7 +287,12 @@ class Submission:
         self.front.ended[self.outcome] += 1
         limits = self.front.pool.limits()  # published once, kept while a worker is replaced
         n_layer = 0 if limits is None else limits.n_layer
-        self.front.metrics.ended(self.channel.job, self.outcome, self.last, self.token_gaps, n_layer)
+        # Observed once the response now being answered is written (this runs in the event loop, which
+        # turns to its next callback only then), not before it: the histograms are the slowest part
+        # of a request's bookkeeping. Any later request, /metrics included, sees them.
+        asyncio.get_running_loop().call_soon(
+            self.front.metrics.ended, self.channel.job, self.outcome, self.last, self.token_gaps, n_layer
+        )
 
 
 class Front:
