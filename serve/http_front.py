@@ -169,7 +169,11 @@ class HttpMetricsMiddleware:
         self.app, self.metrics, self.routes = app, metrics, routes
 
     def route_of(self, scope: Scope) -> str:
-        """The path template of the route ``scope`` is for (another method's too: its 405), else other."""
+        """The path template of the route ``scope`` is for (another method's too: its 405), else other.
+        A request that reached the router has it already (Starlette's ``scope["route"]``, chosen by
+        the same rule); one refused before routing is matched here."""
+        if "route" in scope:
+            return scope["route"].path
         partial = "other"
         for route in self.routes:
             match, _ = route.matches(scope)
@@ -238,16 +242,14 @@ class Submission:
     async def next_event(self, client: Request | None = None) -> dict:
         """The next event; a ``done`` or ``error`` event is the last. With ``client``, a client that
         disconnects while this waits ends it with a 499 error event (``close`` then cancels the job)."""
-        if client is None:
-            return self._seen(await self.channel.next_event())
-        if self._gone is None:
+        if client is not None and self._gone is None:
             self._gone = asyncio.ensure_future(_disconnected(client))
-        waiting = asyncio.ensure_future(self.channel.next_event())
-        await asyncio.wait({waiting, self._gone}, return_when=asyncio.FIRST_COMPLETED)
-        if waiting.done():
-            return self._seen(waiting.result())
-        waiting.cancel()
-        return self._seen(error_event(CLIENT_GONE, "client disconnected"))
+            self._gone.add_done_callback(self._client_left)
+        return self._seen(await self.channel.next_event())
+
+    def _client_left(self, watch: asyncio.Future) -> None:
+        if not watch.cancelled():  # not ended by ``stop_watching``
+            self.channel.interrupt(error_event(CLIENT_GONE, "client disconnected"))
 
     async def final_event(self, client: Request | None = None) -> dict:
         """Wait through any token events for the ``done`` or ``error`` event."""
@@ -285,7 +287,12 @@ class Submission:
         self.front.ended[self.outcome] += 1
         limits = self.front.pool.limits()  # published once, kept while a worker is replaced
         n_layer = 0 if limits is None else limits.n_layer
-        self.front.metrics.ended(self.channel.job, self.outcome, self.last, self.token_gaps, n_layer)
+        # Observed once the response now being answered is written (this runs in the event loop, which
+        # turns to its next callback only then), not before it: the histograms are the slowest part
+        # of a request's bookkeeping. Any later request, /metrics included, sees them.
+        asyncio.get_running_loop().call_soon(
+            self.front.metrics.ended, self.channel.job, self.outcome, self.last, self.token_gaps, n_layer
+        )
 
 
 class Front:

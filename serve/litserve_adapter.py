@@ -2,8 +2,8 @@
 
 What LitServe gives the server: its worker processes. ``LitServer`` spawns one per device times
 ``--workers``, runs ``setup`` in each (``serve.worker.Worker.setup``: the model loads there) and
-reports each one's state in ``workers_setup_status``; its manager process holds the queues between
-the workers and this process, and a queue of its requests per API.
+reports each one's state in ``workers_setup_status``; its manager process holds those states (and a
+request queue per API, which nothing here uses).
 
 What it does not give, and why LitServe's own parts are not used for it (measured on 0.2.19,
 docs/serving.md):
@@ -17,21 +17,20 @@ docs/serving.md):
   no error event; there is no bound on requests in flight, no queue deadline a dead worker cannot
   break, no cancellation when a client leaves; its API key is a per-route dependency FastAPI runs
   after reading the body. ``serve.http_front`` builds the app, with every route, after the pool.
-- **Its response transport and worker monitor**: the monitor fails a dead worker's requests from
-  its own thread, whose ``event.set()`` does not wake the event loop (a waiting request learns of
-  the death when something else wakes it), and it skips a request whose event is set at that
-  moment. Here the workers put their messages on a queue of this module's own, made on LitServe's
-  manager (a managed queue: a worker killed mid-``put`` leaves no lock held, as a
-  ``multiprocessing.Queue``'s would), which one thread reads and hands to the event loop with
-  ``call_soon_threadsafe``; ``_watch`` waits on the workers' process sentinels and puts a worker's
-  death on the same queue, after everything the worker sent, then starts its replacement. Each wait
-  wakes when there is news: nothing polls.
+- **Its queues and response transport**: every ``put`` and ``get`` on a managed queue is a round
+  trip to the manager process, several per request; and its worker monitor fails a dead worker's
+  requests from its own thread, whose ``event.set()`` does not wake the event loop (a waiting
+  request learns of the death when something else wakes it). Here each worker has two pipes of its
+  own (``serve.transport``), read and written in the event loop: the HTTP side hands each order to
+  the least loaded live worker, and a worker's death is the end of its pipe, after everything it
+  sent, at which its requests fail with 503 and the orders it had not taken go to another worker
+  (or its replacement). ``_watch`` waits on the workers' process sentinels and starts each dead
+  one's replacement. Each wait wakes when there is news: nothing polls.
 
-The undocumented members of LitServe used, here only: ``LitServer._init_manager``,
-``litapi_request_queues``, ``workers_setup_status``, ``launch_inference_worker``,
-``launch_single_inference_worker``, ``_inference_workers_config_for_api``, ``devices``, and the
-``LitLoop.__call__`` signature. pyproject pins litserve below 0.3; this module refuses any release
-but 0.2.x at import.
+The undocumented members of LitServe used, here only: ``LitServer._init_manager`` (its manager
+holds ``workers_setup_status``), ``workers_setup_status``, ``launch_single_inference_worker``,
+``_inference_workers_config_for_api``, ``devices``, and the ``LitLoop.__call__`` signature.
+pyproject pins litserve below 0.3; this module refuses any release but 0.2.x at import.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from multiprocessing.connection import wait
 
@@ -52,7 +52,8 @@ from litserve.utils import WorkerSetupStatus
 from serve.pool import Channel, Switchboard
 from serve.schema import Job, ModelLimits
 from serve.shared import SharedState
-from serve.worker import Worker
+from serve.transport import Link, WorkerEnds
+from serve.worker import Order, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class _WorkerLoop(LitLoop):
     def __call__(
         self, lit_api, device, worker_id, request_queue, transport, workers_setup_status, callback_runner
     ) -> None:
-        lit_api.worker.serve(request_queue, lit_api.events, worker_id)
+        lit_api.worker.serve(lit_api.ends, lit_api.ends, worker_id)
 
 
 class _LitWorker(ls.LitAPI):
@@ -83,7 +84,7 @@ class _LitWorker(ls.LitAPI):
     def __init__(self, worker: Worker):
         super().__init__(api_path=API_PATH, loop=_WorkerLoop())
         self.worker = worker
-        self.events = None  # the pool's queue of messages, set before the workers start
+        self.ends: WorkerEnds | None = None  # this worker's pipes, set before each worker starts
 
     def setup(self, device: str) -> None:
         self.worker.setup(device)
@@ -104,28 +105,32 @@ class LitServePool:
         self.shared = worker.shared
         self.workers_per_device = workers_per_device
         self.server = ls.LitServer(self.api, accelerator=accelerator, workers_per_device=workers_per_device)
-        count = len(self.server._inference_workers_config_for_api(API_PATH))
-        if count > SharedState.MAX_WORKERS:
-            raise ValueError(f"{count} workers: at most {SharedState.MAX_WORKERS} are supported")
+        self.count = len(self.server._inference_workers_config_for_api(API_PATH))
+        if self.count > SharedState.MAX_WORKERS:
+            raise ValueError(f"{self.count} workers: at most {SharedState.MAX_WORKERS} are supported")
         self.board = Switchboard(len(self.shared.cancelled), queue_timeout, self.shared.cancelled.__setitem__)
         self.workers = []
+        self.links: list[Link | None] = [None] * self.count  # each worker's newest, connected or not
+        self.live: dict[int, Link] = {}  # index -> link, connected and its worker alive (event loop's)
+        self.placed: dict[int, tuple[int, Order | None]] = {}
+        """ticket -> the index of the worker it was sent to, and its order until that worker takes it."""
+        self.backlog: deque[Order] = deque()  # orders sent while no worker was live
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.lock = threading.Lock()  # between the monitor's replacements and ``running``'s start
         self.manager = None
         self.stopping = False
         self.monitor: threading.Thread | None = None
 
     def start(self) -> None:
-        # LitServe's manager holds the queues every job goes through. Forked while SIGTERM is
-        # ignored, it keeps that disposition, so a SIGTERM sent to the whole process group
-        # (``timeout``, some supervisors) reaches only the server, which then drains; SIGINT it
-        # ignores itself.
+        # LitServe's manager holds the workers' setup states. Forked while SIGTERM is ignored, it
+        # keeps that disposition, so a SIGTERM sent to the whole process group (``timeout``, some
+        # supervisors) reaches only the server, which then drains; SIGINT it ignores itself.
         handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             self.manager = self.server._init_manager(1)
         finally:
             signal.signal(signal.SIGTERM, handler)
-        self.requests = self.server.litapi_request_queues[API_PATH]
-        self.events = self.api.events = self.manager.Queue()
-        self.workers = self.server.launch_inference_worker(self.api)
+        self.workers = [self._launch(index) for index in range(self.count)]
         while True:
             states = dict(self.server.workers_setup_status)
             if states and all(state == WorkerSetupStatus.READY for state in states.values()):
@@ -138,17 +143,30 @@ class LitServePool:
         self.monitor = threading.Thread(target=self._watch, name="blocklab-worker-monitor", daemon=True)
         self.monitor.start()
 
+    def _launch(self, index: int):
+        """Start worker ``index`` with pipes of its own; its link is connected once the loop runs."""
+        link = Link()
+        self.api.ends = link.worker_ends  # pickled into the process as it starts
+        process = self.server.launch_single_inference_worker(self.api, index)
+        link.spawned(process.pid)
+        with self.lock:
+            self.links[index] = link
+            if self.loop is not None:
+                asyncio.run_coroutine_threadsafe(self._connect(index, link), self.loop)
+        return process
+
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        loop = asyncio.get_running_loop()
-        reader = threading.Thread(target=self._read, args=(loop,), name="blocklab-worker-events", daemon=True)
-        reader.start()
+        with self.lock:
+            self.loop = asyncio.get_running_loop()
+            links = list(self.links)
+        for index, link in enumerate(links):
+            await self._connect(index, link)
         try:
             yield
         finally:
-            with contextlib.suppress(OSError, EOFError):  # the manager is gone: so is the reader
-                self.events.put(None)
-            reader.join(timeout=5)
+            with self.lock:
+                self.loop = None  # the pipes stay open: ``stop`` stops the workers first
 
     def stop(self) -> None:
         """Stop the monitor first (else it replaces the workers stopped), then the workers, then the
@@ -169,8 +187,54 @@ class LitServePool:
 
     def submit(self, job: Job) -> Channel:
         order, channel = self.board.open(job)
-        self.requests.put(order)
+        for ticket in [ticket for ticket in self.placed if ticket not in self.board.channels]:
+            del self.placed[ticket]  # its channel is closed
+        self._dispatch(order)
         return channel
+
+    def _dispatch(self, order: Order) -> None:
+        """Send ``order`` to the live worker with the fewest jobs in flight, or keep it for the next."""
+        if not self.live:
+            self.backlog.append(order)
+            return
+        held = [index for index, _ in self.placed.values()]
+        index = min(self.live, key=held.count)
+        self.placed[order.ticket] = (index, order)
+        self.live[index].send(order)
+
+    async def _connect(self, index: int, link: Link) -> None:
+        """Worker ``index``'s pipes on this loop, unless a newer worker replaced it meanwhile; then
+        the backlog goes out."""
+        if self.links[index] is not link or self.stopping:
+            return
+        await link.connect(lambda message: self._received(index, message), lambda: self._ended(index, link))
+        self.live[index] = link
+        while self.backlog:
+            order = self.backlog.popleft()
+            if order.ticket in self.board.channels:  # not closed while it waited
+                self._dispatch(order)
+
+    def _received(self, index: int, message: tuple) -> None:
+        """A worker's message (``serve.worker``): it took a job or sent an event."""
+        kind, ticket, _ = message
+        if kind == "started" and ticket in self.placed:
+            self.placed[ticket] = (index, None)
+        self.board.route(*message)
+
+    def _ended(self, index: int, link: Link) -> None:
+        """Worker ``index``'s pipe ended, after all it sent: it died. Its jobs fail with 503 and the
+        orders it had not taken go to another worker, or wait for its replacement."""
+        link.close()
+        if self.live.get(index) is link:
+            del self.live[index]
+        if self.stopping:
+            return
+        self.board.route("died", 0, link.pid)
+        untaken = [order for held_by, order in self.placed.values() if held_by == index and order is not None]
+        for order in untaken:
+            del self.placed[order.ticket]
+            if order.ticket in self.board.channels:
+                self._dispatch(order)
 
     def ready(self) -> bool:
         states = dict(self.server.workers_setup_status)
@@ -198,30 +262,15 @@ class LitServePool:
     def worker_pids(self) -> list[int]:
         return [worker.pid for worker in self.workers]
 
-    # -- the pool's threads ----------------------------------------------------------------------
-
-    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Hand each message of the workers to the event loop, until None."""
-        while True:
-            try:
-                message = self.events.get()
-            except (OSError, EOFError):
-                logger.warning("LitServe's manager process is gone: no more messages from the workers")
-                return
-            if message is None:
-                return
-            loop.call_soon_threadsafe(self.board.route, *message)
+    # -- the monitor's thread --------------------------------------------------------------------
 
     def _watch(self) -> None:
-        """Replace each worker that dies, after telling the HTTP side (through the same queue as the
-        worker's own messages, so after all of them) which jobs it held."""
+        """Replace each worker that dies (the HTTP side learns of the death from its pipe)."""
         while not self.stopping:
             sentinels = {worker.sentinel: index for index, worker in enumerate(self.workers)}
             for sentinel in wait(list(sentinels)):
                 if self.stopping:
                     return
                 index = sentinels[sentinel]
-                dead = self.workers[index]
-                logger.warning("worker %d (pid %d) died; starting a new one", index, dead.pid)
-                self.events.put(("died", 0, dead.pid))
-                self.workers[index] = self.server.launch_single_inference_worker(self.api, index)
+                logger.warning("worker %d (pid %d) died; starting a new one", index, self.workers[index].pid)
+                self.workers[index] = self._launch(index)

@@ -10,9 +10,9 @@ to the channels), and the HTTP front end (``serve.http_front``) knows nothing el
 Data flows one way: the front end calls the pool, never the reverse; a job's events come back
 through its ``Channel``.
 
-A channel's wait wakes up when an event arrives, when a worker takes the job (from then on its
-queue timeout no longer applies), and at its limits: a job no worker took within the queue timeout
-gets 504 (even if the worker that took it died without a word), and one still running
+A channel's wait wakes up when an event arrives, when the HTTP side interrupts it (its client
+left), and at its limits: a job no worker took within the queue timeout gets 504 (even if the worker
+that took it died without a word; one taken meanwhile waits on), and one still running
 ``TIMEOUT_GRACE_S`` past its deadline gets 504 too (its worker ends it with 504 at its next step,
 so only a step that never returns gets that far). Nothing polls.
 """
@@ -24,7 +24,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager, suppress
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 from serve.schema import Job, ModelLimits, error_event
@@ -44,7 +44,7 @@ class Channel:
     """One submitted job's events, in order, as they arrive (see the module docstring).
 
     The pool calls ``taken`` and ``deliver`` (in the event loop's thread); the HTTP side reads
-    ``next_event`` and calls ``close`` once, when it is done with the job.
+    ``next_event``, may ``interrupt`` it, and calls ``close`` once, when it is done with the job.
     """
 
     def __init__(self, job: Job, queue_timeout: float, on_close: Callable[[], None]):
@@ -57,23 +57,38 @@ class Channel:
         """The worker is done with the job: its done or error event arrived."""
         self.closed = False
         self._events: deque[dict] = deque()
-        self._news = asyncio.Event()
+        self._interruption: dict | None = None
+        self._waiter: asyncio.Future | None = None  # what ``next_event`` awaits, while it waits
 
     def taken(self, worker: int) -> None:
+        """A worker took the job. Its queue limit is over, which a wait finds when it wakes at it: no
+        need to wake it now."""
         self.worker = worker
-        self._news.set()
 
     def deliver(self, event: dict) -> None:
         if self.finished:  # a worker's message after the job's end (its death was told first)
             return
         self.finished = event["event"] in ("done", "error")
         self._events.append(event)
-        self._news.set()
+        self._wake()
+
+    def interrupt(self, event: dict) -> None:
+        """From now on, ``next_event`` returns ``event`` whenever no worker's event is waiting (the
+        job is not finished by it: ``close`` cancels it)."""
+        self._interruption = event
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def next_event(self) -> dict:
         """The next event; a ``done`` or ``error`` event is the last. Past a limit, a 504 error event
         (the job is not finished: ``close`` then cancels it)."""
+        loop = asyncio.get_running_loop()
         while not self._events:
+            if self._interruption is not None:
+                return self._interruption
             now = time.monotonic()
             queue_limit = self.job.submitted_at + self.queue_timeout if self.worker is None else math.inf
             hard_limit = self.job.deadline + TIMEOUT_GRACE_S
@@ -88,9 +103,13 @@ class Channel:
                     f"request timeout: no answer within {timeout:g} s (the server's --request-timeout) "
                     f"and {TIMEOUT_GRACE_S:g} s of grace: its worker is stuck in a step",
                 )
-            self._news.clear()
-            with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._news.wait(), min(queue_limit, hard_limit) - now + 0.01)
+            self._waiter = loop.create_future()
+            limit = loop.call_later(min(queue_limit, hard_limit) - now + 0.01, self._wake)
+            try:
+                await self._waiter
+            finally:
+                limit.cancel()
+                self._waiter = None
         return self._events.popleft()
 
     def close(self) -> None:

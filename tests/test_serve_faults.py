@@ -157,6 +157,29 @@ def test_a_killed_worker_fails_its_requests_fast_and_is_replaced():
     assert any(outcome.started_at > healthy_at for outcome in report.outcomes)
 
 
+def test_with_two_workers_a_killed_ones_untaken_orders_run_on_the_other():
+    """Each worker holds a 2 s request and has one order queued behind it (each job goes to the
+    least loaded worker); SIGKILL to one: its running job gets 503, its queued order runs on the
+    other worker, and once the replacement is up every request is answered."""
+    args = ("--workers", "2", "--max-batch-size", "1")
+    with slow_server(2.0, *args) as server, ThreadPoolExecutor(8) as pool:
+        held = [pool.submit(post, server.url, slow_body()) for _ in range(2)]
+        time.sleep(0.5)  # each worker has taken one
+        queued = [pool.submit(post, server.url, {"prompt": PROMPT, "max_new_tokens": 2}) for _ in range(2)]
+        time.sleep(0.3)
+        os.kill(server.workers()[0], signal.SIGKILL)
+        assert sorted(future.result().status_code for future in held) == [200, 503]
+        assert [future.result().status_code for future in queued] == [200, 200]
+        deadline = time.monotonic() + 60
+        while httpx.get(server.url + "/health").status_code != 200:  # the replacement loads the model
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.2)
+        after = [pool.submit(post, server.url, {"prompt": PROMPT, "max_new_tokens": 2}) for _ in range(6)]
+        assert [future.result().status_code for future in after] == [200] * 6
+        counts = stats(server)
+        assert counts["ended"]["worker_died"] == 1 and counts["ended"]["done"] == 9
+
+
 def test_an_error_mid_stream_ends_with_an_error_event():
     """The worker dies after the first token: the stream ends with an error event, not a silent cut."""
     with ServerProcess(["--threads", "1"], model_factory=TinyModel(step_s=0.1)) as server:
