@@ -48,7 +48,8 @@ def run_json(name: str, command: list[str], json_path: Path | None = None) -> di
     # libraries may print lines of their own before the JSON: it starts at the first line opening "{"
     text = text[text.index("{") if text.startswith("{") else text.index("\n{") + 1 :]
     print(f"[{name}] done in {elapsed:.0f} s", file=sys.stderr, flush=True)
-    return {"command": " ".join(command), "seconds": round(elapsed, 1), "results": loads(text)}
+    shown = ["python" if part == sys.executable else part for part in command]  # rerunnable anywhere
+    return {"command": " ".join(shown), "seconds": round(elapsed, 1), "results": loads(text)}
 
 
 def decode_rows(decode: dict) -> list[tuple[str, str, str]]:
