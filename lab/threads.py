@@ -1,4 +1,4 @@
-"""torch's CPU threads on a machine that others share: wait without spinning, use the cores left free.
+"""torch's CPU threads on a machine that others share: spin only briefly, use the cores left free.
 
     threads.yield_while_waiting()   # before torch is imported (lab.cli does it for every command)
     tuner = threads.ThreadTuner()   # when the work is about to start

@@ -32,6 +32,7 @@ from lab import fast, flags
 from lab.blocks import BlockSet
 from lab.machine import cpu_description
 from lab.measure import interleaved, interval
+from lab.threads import USER_WAIT_POLICY
 from lab.weights import load_model, save_hf_dir
 
 PAIRS = {"f32": "float32", "q8_0": "int8", "q4_0": "int4"}
@@ -54,10 +55,12 @@ def gguf_files(llama_cpp: Path, bin_dir: Path, directory: Path) -> dict[str, Pat
 
 
 def llama_ms_per_token(bench: Path, gguf: Path, tokens: int, context: int, threads: int) -> float:
-    """One llama-bench run (one repetition, after its warm-up): ms per generated token."""
+    """One llama-bench run (one repetition, after its warm-up): ms per generated token. It runs with
+    libgomp's default waiting (ggml uses OpenMP too), whatever wait policy ours runs with."""
     command = [str(bench), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-d", str(context)]
     command += ["-t", str(threads), "-r", "1", "-o", "json"]
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    env = {k: v for k, v in os.environ.items() if k not in USER_WAIT_POLICY}
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
     (result,) = loads(out)
     return 1e3 / result["avg_ts"]
 
@@ -112,6 +115,7 @@ def main(
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": threads,
+        "wait_policy": {k: os.environ.get(k) for k in USER_WAIT_POLICY},
         "tokens": tokens,
         "prompt_tokens": prompt_tokens,
         "rounds": rounds,
