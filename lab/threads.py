@@ -1,4 +1,4 @@
-"""torch's CPU threads on a machine that others share: spin only briefly, use the cores left free.
+"""torch's CPU threads on a machine that others share: wait without spinning, use the cores left free.
 
     threads.yield_while_waiting()   # before torch is imported (lab.cli does it for every command)
     tuner = threads.ThreadTuner()   # when the work is about to start
@@ -8,17 +8,12 @@ Two things make a torch step stall when another process takes a core:
 
 - **Spinning.** torch's CPU wheel runs its parallel regions on GNU OpenMP (libgomp, shipped in
   ``torch/lib``; MKL and oneDNN use it too). By default a libgomp thread that has finished its share
-  spins for about 300,000 turns of its wait loop (milliseconds) before it sleeps, so through a whole
-  training step or a run of decode steps every thread spins, even when it has nothing to do. On a
-  core someone else wants, the spinner takes the time that process would have used, and the
-  scheduler treats ours as one more CPU-bound job. Sleeping at once (``OMP_WAIT_POLICY=PASSIVE``)
-  has the opposite cost: every parallel region then starts by waking the sleeping threads through
-  the kernel, and a decode step at batch 1 is dozens of short regions back to back (one per weight
-  product with int8/int4 weights, one per attention). ``GOMP_SPINCOUNT`` (``WAIT_POLICY``) bounds
-  the spin instead: long enough to span the gap between two regions of one step, so they start
-  without a wake-up, short enough that a thread with no work coming sleeps within a fraction of a
-  millisecond. libgomp reads it once, when it is loaded (that is, when torch is imported), so it has
-  to be in the environment first; processes started afterwards (the server's workers) inherit it.
+  spins for a while before it sleeps, and a decode step runs its regions back to back, so every thread
+  spins through the whole step, even when it has nothing to do. On a core someone else wants, the
+  spinner takes the time that process would have used, and the scheduler treats ours as one more
+  CPU-bound job. ``OMP_WAIT_POLICY=PASSIVE`` makes a waiting thread sleep at once. libgomp reads it
+  once, when it is loaded (that is, when torch is imported), so it has to be in the environment first;
+  processes started afterwards (the server's workers) inherit it.
 - **Too many threads.** Each region ends when its slowest thread does; a thread that shares its core
   with a busy process waits for its turn on it, and the whole step waits with it. ``free_cores``
   measures how much of this process's cores the other processes used over a window (``/proc/stat``'s
@@ -38,14 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-WAIT_POLICY = {"GOMP_SPINCOUNT": "10000"}
-"""What ``yield_while_waiting`` puts in the environment (where the user has chosen no wait policy):
-libgomp's wait loop turns before a waiting thread sleeps, about a tenth of a millisecond by libgomp's
-own estimate of its loop (its default is 300000; ``OMP_WAIT_POLICY=PASSIVE`` means 0)."""
+WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""What ``yield_while_waiting`` puts in the environment (where the user has not set it)."""
 
 USER_WAIT_POLICY = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-"""Variables by which a user chooses libgomp's waiting; with either set, ``WAIT_POLICY`` is not added
-(``GOMP_SPINCOUNT`` would override the user's ``OMP_WAIT_POLICY``)."""
+"""The variables that choose how libgomp's threads wait (``GOMP_SPINCOUNT`` overrides the policy's
+spin); a benchmark clears them to run a peer with libgomp's defaults."""
 
 RETUNE_SECONDS = 2.0
 """How often ``ThreadTuner.tick`` measures the free cores again: long enough that /proc/stat's
@@ -53,10 +46,10 @@ RETUNE_SECONDS = 2.0
 
 
 def yield_while_waiting() -> None:
-    """Have OpenMP threads spin only briefly, then sleep, while they wait (``WAIT_POLICY``), unless
-    the environment already chooses a wait policy. Takes effect only before torch is first imported."""
-    if not any(name in os.environ for name in USER_WAIT_POLICY):
-        os.environ.update(WAIT_POLICY)
+    """Have OpenMP threads sleep instead of spin while they wait (``WAIT_POLICY``), unless the
+    environment says otherwise. Takes effect only before torch is first imported in this process."""
+    for name, value in WAIT_POLICY.items():
+        os.environ.setdefault(name, value)
 
 
 def allowed_cores() -> set[int]:

@@ -117,19 +117,17 @@ def test_cli_sets_the_wait_policy_before_torch_loads():
         "import importlib\n"
         "real = importlib.import_module\n"
         "def spy(name, *a):\n"
-        "    print(name, os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'),\n"
-        "          'torch' in sys.modules)\n"
+        "    print(name, os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
         "    raise SystemExit(0)\n"
         "importlib.import_module = spy\n"
         "lab.cli.main(['shapes'])\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in threads.USER_WAIT_POLICY}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True)
-    spin = threads.WAIT_POLICY["GOMP_SPINCOUNT"]
-    assert out.stdout.split() == ["lab.analysis.shapes", spin, "None", "False"], out.stderr
-    env["OMP_WAIT_POLICY"] = "ACTIVE"  # the user's own choice stands, and nothing overrides it
+    assert out.stdout.split() == ["lab.analysis.shapes", "PASSIVE", "False"], out.stderr
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # the user's own choice stands
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True)
-    assert out.stdout.split()[1:3] == ["None", "ACTIVE"], out.stderr
+    assert out.stdout.split()[1] == "ACTIVE", out.stderr
 
 
 SPIN_PROBE = (
@@ -161,8 +159,7 @@ def test_the_wait_policy_stops_torch_spinning():
 
 @pytest.mark.slow
 def test_server_workers_inherit_the_wait_policy(monkeypatch):
-    for name in threads.USER_WAIT_POLICY:
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     with ServerProcess(["--model", "tiny"], model_factory=TinyModel()) as server:
         environ = Path(f"/proc/{server.workers()[0]}/environ").read_bytes().split(b"\0")
-    assert all(f"{name}={value}".encode() in environ for name, value in threads.WAIT_POLICY.items())
+    assert b"OMP_WAIT_POLICY=PASSIVE" in environ
