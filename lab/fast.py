@@ -37,7 +37,7 @@ import logging
 import os
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -75,12 +75,12 @@ def static_blocks(
     overwrite: frozenset[int],
     x: torch.Tensor,
     pos: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: Sequence[torch.Tensor],
+    v_cache: Sequence[torch.Tensor],
 ) -> torch.Tensor:
     """The stream x [1, T, D] at positions pos [T] (a tensor, so every position runs the same graph)
-    through ``blocks``, writing keys and values into the caches [L, 1, H, T_max, Dh]; [1, T, D]. The
-    caller checks that the positions are inside the cache."""
+    through ``blocks``, writing keys and values into each block's caches ([1, H, T_max, Dh] each);
+    [1, T, D]. The caller checks that the positions are inside the cache."""
     for i in blocks:
         x = model.blocks[i](x, (k_cache[i], v_cache[i]), pos, overwrite=i in overwrite)  # [1, T, D]
     return x
@@ -184,6 +184,16 @@ class CacheSlots:
         return cache
 
 
+def layers_apart(cache: KVCache) -> KVCache:
+    """``cache`` with each block's keys and values in tensors of their own (lists of [1, H, T_max, Dh])
+    instead of views of one [L, 1, H, T_max, Dh] tensor. The compiled step writes a block's new key
+    into its input in place; written through a view of a larger input, inductor would rebuild and
+    copy back the whole [L, ...] tensor at every step, several copies of the cache per token."""
+    cache.k = [layer.clone() for layer in cache.k]  # each its own storage: [1, H, T_max, Dh] each
+    cache.v = [layer.clone() for layer in cache.v]
+    return cache
+
+
 def _compile_cache_dir() -> Path:
     """Where inductor keeps what it compiled (``TORCHINDUCTOR_CACHE_DIR`` if set): beside the models."""
     from lab.weights import cache_root
@@ -231,7 +241,7 @@ class FastDecode:
         if self.graphs:
             return self.slots.borrow(owner, length)
         weight = self.model.wte.weight
-        return KVCache(self.model.config, 1, length, weight.device, weight.dtype)
+        return layers_apart(KVCache(self.model.config, 1, length, weight.device, weight.dtype))
 
     def ready(self) -> bool:
         """False while any hook is registered on the model (its step then runs eager, said once)."""

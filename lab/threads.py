@@ -36,6 +36,10 @@ from pathlib import Path
 WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
 """What ``yield_while_waiting`` puts in the environment (where the user has not set it)."""
 
+USER_WAIT_POLICY = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+"""The variables that choose how libgomp's threads wait (``GOMP_SPINCOUNT`` overrides the policy's
+spin); a benchmark clears them to run a peer with libgomp's defaults."""
+
 RETUNE_SECONDS = 2.0
 """How often ``ThreadTuner.tick`` measures the free cores again: long enough that /proc/stat's
 1/100 s ticks average out, short enough to follow a job that starts or stops."""

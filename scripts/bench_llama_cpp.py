@@ -8,9 +8,9 @@ configurations interleaved round by round, ms/token with a 95% interval.
 PyPI). The first run writes ``gpt2-random`` as a Hugging Face directory
 (``lab.weights.save_hf_dir``), converts it with llama.cpp's own ``convert_hf_to_gguf.py`` to f32
 and quantizes that to q8_0 and q4_0, all under ``--gguf-dir``; later runs reuse the files. Pairs
-compared: llama.cpp f32 against ours float32 (eager and through ``lab.fast``'s compiled step), q8_0
-against int8, q4_0 against int4 (weight-only, both: q8_0 and q4_0 keep a scale per 32 weights, ours
-per output row or per group). Each round times every configuration once: llama.cpp's
+compared (ours each eager and through ``lab.fast``'s compiled step): llama.cpp f32 against ours
+float32, q8_0 against int8, q4_0 against int4 (weight-only, both: q8_0 and q4_0 keep a scale per 32
+weights, ours per output row or per group). Each round times every configuration once: llama.cpp's
 ``llama-bench -r 1`` decoding ``--tokens`` after ``--prompt-tokens`` of context (``-d``), ours
 ``Decoder.step`` after a prompt of the same length.
 
@@ -38,6 +38,7 @@ from lab import fast, flags
 from lab.blocks import BlockSet
 from lab.machine import cpu_description
 from lab.measure import interleaved, interval
+from lab.threads import USER_WAIT_POLICY
 from lab.weights import load_model, save_hf_dir
 from serve.process import ServerProcess
 
@@ -61,10 +62,12 @@ def gguf_files(llama_cpp: Path, bin_dir: Path, directory: Path) -> dict[str, Pat
 
 
 def llama_ms_per_token(bench: Path, gguf: Path, tokens: int, context: int, threads: int) -> float:
-    """One llama-bench run (one repetition, after its warm-up): ms per generated token."""
+    """One llama-bench run (one repetition, after its warm-up): ms per generated token. It runs with
+    libgomp's default waiting (ggml uses OpenMP too), whatever wait policy ours runs with."""
     command = [str(bench), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-d", str(context)]
     command += ["-t", str(threads), "-r", "1", "-o", "json"]
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    env = {k: v for k, v in os.environ.items() if k not in USER_WAIT_POLICY}
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
     (result,) = loads(out)
     return 1e3 / result["avg_ts"]
 
@@ -107,27 +110,28 @@ def main(
     bench = bin_dir / "llama-bench"
     prompt = torch.randint(0, 50257, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     ours = {dtype: load_model("gpt2-random", dtype) for dtype in PAIRS.values()}
-    compiled = fast.accelerate(load_model("gpt2-random"))
+    compiled = {dtype: fast.accelerate(load_model("gpt2-random", dtype)) for dtype in PAIRS.values()}
     configs = {
         f"llama.cpp {kind}": lambda f=gguf: llama_ms_per_token(bench, f, tokens, prompt_tokens, threads)
         for kind, gguf in files.items()
     }
     for dtype, model in ours.items():
         configs[f"ours {dtype}"] = lambda m=model: ms_per_token_ours(m, BlockSet(), prompt, tokens)
-    configs["ours float32 compiled"] = lambda: ms_per_token_ours(compiled, BlockSet(), prompt, tokens)
+    for dtype, model in compiled.items():
+        configs[f"ours {dtype} compiled"] = lambda m=model: ms_per_token_ours(m, BlockSet(), prompt, tokens)
     load_before = os.getloadavg()
     times = interleaved(configs, rounds)  # the warm-up compiles
     ms = {name: {"median": statistics.median(v), "ci": list(interval(v))} for name, v in times.items()}
-    ratios = {
-        kind: ms[f"ours {dtype}"]["median"] / ms[f"llama.cpp {kind}"]["median"]
-        for kind, dtype in PAIRS.items()
-    }
-    ratios["f32 compiled"] = ms["ours float32 compiled"]["median"] / ms["llama.cpp f32"]["median"]
+    ratios = {}
+    for kind, dtype in PAIRS.items():
+        for way in ("", " compiled"):
+            ratios[kind + way] = ms[f"ours {dtype}{way}"]["median"] / ms[f"llama.cpp {kind}"]["median"]
     results = {
         "machine": cpu_description(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": threads,
+        "wait_policy": {k: os.environ.get(k) for k in USER_WAIT_POLICY},
         "tokens": tokens,
         "prompt_tokens": prompt_tokens,
         "rounds": rounds,

@@ -169,6 +169,19 @@ def test_a_decoders_static_cache_returns_to_the_pool_when_it_is_collected():
     assert again.cache is cache and again.cache.length == 0
 
 
+def test_a_compiled_decoders_cache_keeps_each_blocks_keys_and_values_apart():
+    """Each block's keys and values in a storage of their own, so the compiled step writes them in
+    place (a write through a view of one [L, ...] input makes inductor copy all of it every step)."""
+    model = fast.accelerate(tiny(), "compile")
+    decoder = Decoder(model, max_len=10)
+    layers = [*decoder.cache.k, *decoder.cache.v]
+    assert len({layer.untyped_storage().data_ptr() for layer in layers}) == 2 * N_LAYER
+    assert all(layer.shape == (1, 4, decoder.cache.max_len, 16) for layer in layers)
+    decoder.prefill(PROMPT)  # the eager prefill writes into them
+    assert all(layer[:, :, : len(PROMPT)].abs().sum() > 0 for layer in layers)
+    assert all(layer[:, :, len(PROMPT) :].abs().sum() == 0 for layer in layers)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["all", "exit=2;overwrite=1", "exit=2;lens=tuned"])
 def test_the_compiled_cpu_step_equals_the_eager_step(spec, tmp_path, monkeypatch):
