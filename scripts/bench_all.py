@@ -12,7 +12,10 @@ Runs, one after another, each benchmark with settings shortened to fit a few min
 - train: ``scripts/bench_train.py`` (LitGPT under Lightning vs a plain torch loop);
 - depth: ``blocklab depth`` (equal-parameter stacks, ratios to 12x768);
 - speculate: ``scripts/bench_speculate.py`` (self-speculative decoding against full depth, batch 1) on
-  each builtin model that exists (``blocklab builtin``, ``blocklab builtin --recipe early-exit``).
+  each builtin model that exists (``blocklab builtin``, ``blocklab builtin --recipe early-exit``);
+- peers, with ``--llama-cpp DIR`` (a llama.cpp checkout built with cmake; skipped without it):
+  ``scripts/bench_llama_cpp.py``, batch-1 decoding against llama-bench and serving against
+  llama-server, on the same weights and cores.
 
 Each benchmark reports ratios against a baseline measured in its own run, so the machine's speed
 cancels; the load average before and after is recorded, because on a shared CPU it moves the numbers.
@@ -136,7 +139,7 @@ def headline(runs: dict) -> list[tuple[str, str, str]]:
     for row in depth["rows"]:
         rows.append((f"depth: {row['stack']} / {depth['baseline']} ms per token", f"{row['ratio']:.2f}", ""))
     rows += [speculate_row(run["results"]) for name, run in runs.items() if name.startswith("speculate")]
-    return rows
+    return rows + peer_rows(runs)
 
 
 def builtin_models() -> list[str]:
@@ -175,8 +178,55 @@ def render(runs: dict, meta: dict) -> str:
     return "\n".join(lines)
 
 
-def run_all() -> dict:
-    """Every benchmark, one after another, with settings shortened to fit a few minutes."""
+def peer_runs(python: str, llama_cpp: Path, build: Path | None, gguf_dir: Path) -> dict:
+    """``scripts/bench_llama_cpp.py``'s two comparisons, shortened."""
+    where = ["--llama-cpp", str(llama_cpp), "--gguf-dir", str(gguf_dir)]
+    where += ["--build", str(build)] if build else []
+    bench = [python, "scripts/bench_llama_cpp.py", *where]
+    return {
+        "peers decode": run_json("peers decode", [*bench, "--rounds", "5"]),
+        "peers serving": run_json(
+            "peers serving", [*bench, "--serving", "--rounds", "2", "--tokens", "32", "--prompt-tokens", "64"]
+        ),
+    }
+
+
+def peer_rows(runs: dict) -> list[tuple[str, str, str]]:
+    """The llama.cpp comparisons' rows, where they ran."""
+    if "peers decode" not in runs:
+        return []
+    decode, serving = runs["peers decode"]["results"], runs["peers serving"]["results"]
+    ms, ratio = decode["ms_per_token"], decode["ours_over_llama_cpp"]
+    rows = []
+    for kind, dtype in (("f32", "float32"), ("q8_0", "int8"), ("q4_0", "int4")):
+        pair = f"{ms[f'ours {dtype}']['median']:.1f} vs {ms[f'llama.cpp {kind}']['median']:.1f}"
+        rows.append((
+            f"peers, batch 1, {decode['threads']} threads: ours {dtype} / llama.cpp {kind}; compiled",
+            f"{ratio[kind]:.2f} ({pair}); {ratio[kind + ' compiled']:.2f}",
+            "<= 1.0",
+        ))  # fmt: skip
+    ours, theirs = serving["servers"]["blocklab int4"], serving["servers"]["llama-server q4_0"]
+    over = serving["ours_over_llama_server"]
+    lone_over, lone = over["lone_e2e_p50_ms"], (ours["lone_e2e_p50_ms"], theirs["lone_e2e_p50_ms"])
+    name = f"peers, serve int4 vs llama-server q4_0, {serving['clients']} clients"
+    return rows + [
+        (
+            f"{name}: requests/s, ours / theirs",
+            f"{over['requests_per_s']:.2f} ({ours['requests_per_s']:.2f} vs {theirs['requests_per_s']:.2f})",
+            ">= 1",
+        ),
+        (f"{name}: TPOT / inter-token latency, ours", f"{serving['ours_tpot_over_itl']:.2f}", "<= 1.2"),
+        (
+            f"{name}: lone end-to-end ms, ours / theirs",
+            f"{lone_over:.2f} ({lone[0]:.0f} vs {lone[1]:.0f})",
+            "<= 1.2",
+        ),
+    ]
+
+
+def run_all(peers: tuple[Path, Path | None, Path] | None = None) -> dict:
+    """Every benchmark, one after another, with settings shortened to fit a few minutes; ``peers``:
+    llama.cpp's checkout, build directory and GGUF directory, for the comparisons against it."""
     python = sys.executable
     with tempfile.TemporaryDirectory() as tmp:
         decode_json = Path(tmp) / "decode.json"
@@ -212,20 +262,32 @@ def run_all() -> dict:
                     "--drafts", "3", "5", "--prompts", "6", "--new-tokens", "48", "--json",
                 ],
             )  # fmt: skip
+        if peers is not None:
+            runs |= peer_runs(python, *peers)
     return runs
 
 
-def main(out: Path = ROOT / "BENCHMARKS.md", json: Path | None = None) -> None:
+def main(
+    out: Path = ROOT / "BENCHMARKS.md",
+    json: Path | None = None,
+    llama_cpp: Path | None = None,
+    llama_build: Path | None = None,
+    gguf_dir: Path = Path("/tmp/gguf"),
+) -> None:
     """Run every benchmark and write the results.
 
     Args:
         out: The Markdown file to write.
         json: Also write every result here, as JSON.
+        llama_cpp: A llama.cpp checkout built with cmake (llama-bench, llama-quantize, llama-server):
+            compare against it too (skipped without).
+        llama_build: Its cmake build directory (default: LLAMA_CPP/build).
+        gguf_dir: Where the GGUF files of the comparison are (written on the first run).
     """
     started, load_before = time.monotonic(), os.getloadavg()[0]
-    runs = run_all()
+    runs = run_all(None if llama_cpp is None else (llama_cpp, llama_build, gguf_dir))
     meta = {
-        "command": "python scripts/bench_all.py",
+        "command": "python scripts/bench_all.py" + ("" if llama_cpp is None else " --llama-cpp DIR"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "seconds": time.monotonic() - started,
         "machine": cpu_description(),
