@@ -214,9 +214,8 @@ class FastDecode:
         self.steps: dict[tuple, Callable[..., torch.Tensor]] = {}
         self.fallbacks: Counter[str] = Counter()
         self.modules = list(model.modules())
-        self.backend = (
-            "inductor"  # torch.compile's; "eager" traces the same graphs without code generation (tests)
-        )
+        # torch.compile's backend; "eager" traces the same graphs without generating code (tests)
+        self.backend = "inductor"
         if not self.graphs:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_compile_cache_dir()))
             # one graph per length bucket and block set: more than dynamo's default of 8 per function

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from lab.measure import interval
-from serve.process import free_port
+from serve.process import free_port, wait_until_healthy
 
 SLOTS = 4
 """llama-server's parallel slots (``-np``): as many as the clients, as its docs suggest for N users."""
@@ -39,18 +39,11 @@ class LlamaServer:
 
     def __enter__(self) -> LlamaServer:
         self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.process.returncode}: {self.command}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        reason = wait_until_healthy(self.process, self.url, timeout=120)
+        if reason is None:
+            return self
         self.process.kill()
-        raise RuntimeError("llama-server not ready after 120 s")
+        raise RuntimeError(f"llama-server: {reason}: {self.command}")
 
     def __exit__(self, *exc) -> None:
         self.process.terminate()

@@ -43,6 +43,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_until_healthy(process: subprocess.Popen, url: str, timeout: float) -> str | None:
+    """Poll ``url``'s ``/health`` until it answers 200: None then, else why not (the process exited,
+    or ``timeout`` seconds passed). Any server with that route: ours, or a peer benchmarked against."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return f"server exited with {process.returncode} while starting"
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return None
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    return f"server not ready after {timeout} s"
+
+
 def descendants(pid: int) -> set[int]:
     """Every live process below ``pid`` (Linux /proc)."""
     children: dict[int, list[int]] = {}
@@ -125,18 +141,12 @@ class ServerProcess:
         }
         with self.log_path.open("wb") as log:  # the server keeps its own copy of the descriptor
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self._fail(f"server exited with {self.process.returncode} while starting")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        self._fail(f"server not ready after {self.startup_timeout} s")
+        reason = wait_until_healthy(self.process, self.url, self.startup_timeout)
+        if reason is None:
+            return self
+        if self.process.poll() is None:
+            self.stop()
+        self._fail(reason)
 
     def _fail(self, reason: str) -> None:
         log = self.log()
