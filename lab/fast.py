@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import types
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -194,6 +195,41 @@ def layers_apart(cache: KVCache) -> KVCache:
     return cache
 
 
+def bind(fn: Callable[..., torch.Tensor], *bound) -> Callable[..., torch.Tensor]:
+    """``fn`` with its first arguments ``bound``, as a function with a code object of its own (what
+    ``_compiled`` compiles). dynamo keeps a function's compiled graphs on its code object (a
+    ``functools.partial`` on the code of dynamo's one wrapper for partials) and at every call checks
+    the guards of each graph before the one that matches: with one code object for every block set,
+    bucket and kind of step, a step would cost more the more graphs the model had compiled."""
+
+    def step(*inputs):
+        return fn(*bound, *inputs)
+
+    code = step.__code__.replace()  # an equal code object, distinct from every other step's
+    return types.FunctionType(code, step.__globals__, fn.__name__, None, step.__closure__)
+
+
+class WarmGraph:
+    """A compiled step (``bind``'s function under ``torch.compile``) that checks dynamo's guards on its
+    first call only. The guards (every module's flags, hooks and parameters, every input's shape) cost
+    a sizeable share of a small model's step; here nothing they check can change between calls: each
+    graph has a code object and a key of its own (kind of step, block set, bucket, round length),
+    whose inputs have fixed shapes, freezing made the weights constants, and hooks send the step to
+    the eager path before it gets here (``FastDecode.ready``)."""
+
+    def __init__(self, compiled: Callable[..., torch.Tensor]):
+        self.compiled = compiled
+        self.warm = False
+
+    def __call__(self, *inputs):
+        if not self.warm:  # compiles (or loads what inductor cached) with the guards
+            output = self.compiled(*inputs)
+            self.warm = True
+            return output
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return self.compiled(*inputs)
+
+
 def _compile_cache_dir() -> Path:
     """Where inductor keeps what it compiled (``TORCHINDUCTOR_CACHE_DIR`` if set): beside the models."""
     from lab.weights import cache_root
@@ -218,8 +254,6 @@ class FastDecode:
         self.backend = "inductor"
         if not self.graphs:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_compile_cache_dir()))
-            # one graph per length bucket and block set: more than dynamo's default of 8 per function
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
     def takes(self, block_set: BlockSet) -> bool:
         """Whether decoders under ``block_set`` take the fast step; if not, says why (once per reason)."""
@@ -310,10 +344,10 @@ class FastDecode:
     def _compiled(self, key: tuple, fn: Callable[..., torch.Tensor], *bound) -> Callable[..., torch.Tensor]:
         """``fn`` for the model and the ``bound`` arguments (blocks, overwrite...), compiled once per key."""
         if key not in self.steps:
-            fn = functools.partial(fn, self.model, *bound)
             options = INDUCTOR_OPTIONS if self.backend == "inductor" else None
-            self.steps[key] = torch.compile(
-                fn, fullgraph=True, dynamic=False, backend=self.backend, options=options
+            step = bind(fn, self.model, *bound)
+            self.steps[key] = WarmGraph(
+                torch.compile(step, fullgraph=True, dynamic=False, backend=self.backend, options=options)
             )
         return self.steps[key]
 

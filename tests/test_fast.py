@@ -100,6 +100,18 @@ def test_speculation_drafts_and_verifies_through_compiled_graphs(spec):
     assert {"draft", "feed", "verify"} <= kinds and not quick.fast.fallbacks
 
 
+def test_each_compiled_graph_checks_only_its_own_guards():
+    """Every graph (kind of step, block set, bucket) is compiled from a code object of its own, so
+    dynamo keeps one entry on it: a call never runs through the guards of the model's other graphs."""
+    quick = traced(tiny())
+    for spec in ("all", "skip=1", "exit=2", SPECULATING[0]):
+        list(generate(quick, PROMPT, 6, block_set=BlockSet.parse(spec, N_LAYER)))
+    codes = [step.compiled._torchdynamo_orig_callable.__code__ for step in quick.fast.steps.values()]
+    assert len(codes) >= 6 and len(set(map(id, codes))) == len(codes)
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    assert [len(entries(code)) for code in codes] == [1] * len(codes)
+
+
 def test_a_verification_over_a_static_cache_equals_the_eager_pass():
     """The positions of a round (several queries over the static cache, each masked at its own
     position) give the logits the eager pass over the same cache gives, and the same keys and values."""
