@@ -13,6 +13,8 @@ A spec string names a block set on the command line, in the server and in the tr
     speculate=6         self-speculative decoding: blocks 0..5 draft, the rest verify; the output is
                         the set's own (see lab.speculate.Speculator)
     speculate=6;k=3     ... drafting 3 tokens a round
+    speculate=6;vocab=2048  ... the drafts read out over the 2048 tokens the model most often
+                        predicts (its tuned lens's ranking, fitted by ``blocklab lens fit``)
     exit=6;lens=tuned   read out through the tuned lens's translator of the exit block (lab.lens):
                         also adaptive=...;lens=tuned, and speculate=6;lens=tuned (the drafts)
 
@@ -21,11 +23,11 @@ The grammar, the same in every place, with the rules of the ``BlockSet`` fields:
     spec      'all', or parts joined by ';': key=value, each key at most once
     index     skip, keep, overwrite: one or more block indices joined by ',', none twice; each
               index ASCII digits only (no sign, '_' or other scripts' digits)
-    count     exit, min, speculate, k: ASCII digits only
+    count     exit, min, speculate, k, vocab: ASCII digits only
     number    adaptive: ASCII digits with an optional fraction and exponent (0.9, .5, 1e-3)
     choice    check: cosine | probe; lens: logit | tuned
     together  skip or keep, not both; min and check only with adaptive; exit not with adaptive;
-              k only with speculate; speculate not with exit or adaptive; min at most the blocks
+              k and vocab only with speculate; speculate not with exit or adaptive; min at most the blocks
               the set runs (``keep=0,1;adaptive=0.9;min=3`` is refused)
     serves    what a set cannot give a request (``Key.cannot_serve``): adaptive exit no most likely
               token per scored position (OpenAI's ``logprobs`` 1), speculate no ``min_tokens``
@@ -81,6 +83,10 @@ class Key:
     (``BlockSet.cannot_serve``): the server refuses it before running it."""
 
 
+VOCABULARY_BOUND = 1 << 20
+"""The largest ``vocab=N`` a spec may give: above any token table (a larger N than the model's
+ranking holds drafts over the whole ranking)."""
+
 KEYS: dict[str, Key] = {
     key.key: key
     for key in (
@@ -123,6 +129,12 @@ KEYS: dict[str, Key] = {
         Key(
             "k", "draft_tokens", "count", 4, None, "Tokens drafted per round when speculating.", "k",
             low=1, high=16, needs="speculate",
+        ),
+        Key(
+            "vocab", "draft_vocabulary", "count", None, None,
+            "Drafts read out over this many tokens only: the first of the model's tuned-lens ranking "
+            "(its most frequent final tokens); verification reads every token.", "vocab",
+            low=1, high=VOCABULARY_BOUND, needs="speculate",
         ),
         Key(
             "lens", "lens", "choice", "logit", "lens",
@@ -218,6 +230,10 @@ class BlockSet:
     ln_f and the unembedding), the rest verify them in one pass. None: off. The tokens are the set's."""
     draft_tokens: int = KEYS["k"].default
     """Tokens drafted per round when speculating."""
+    draft_vocabulary: int | None = KEYS["vocab"].default
+    """Speculating, the drafts are read out over the first this many tokens of the model's
+    tuned-lens ranking only (a cheaper read-out, FR-Spec's frequency-ranked draft vocabulary); the
+    verification reads every token, so the output is the same. None: over every token."""
     lens: str = KEYS["lens"].default
     """How a stream that leaves before the last block is read out: 'logit' (``ln_f`` and the
     unembedding, as is) or 'tuned' (first the model's tuned-lens translator of the last block it ran,

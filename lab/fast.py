@@ -113,6 +113,14 @@ def static_draft(model: GPT, blocks, overwrite, lens_block, idx, pos, k_cache, v
     return x, static_read(model, lens_block, x)
 
 
+def static_draft_rows(model: GPT, blocks, overwrite, lens_block, idx, pos, k_cache, v_cache, table, bias):
+    """``static_draft`` read out over a draft vocabulary's rows ``table`` [N, D] and ``bias`` [N] only
+    (``GPT.unembed_rows``): the stream [1, 1, D] and the logits [N]."""
+    x = static_feed(model, blocks, overwrite, idx, pos, k_cache, v_cache)  # [1, 1, D]
+    read = x if lens_block is None else model.tuned_lens(lens_block, x)  # [1, 1, D]
+    return x, model.unembed_rows(read, table, bias)
+
+
 def static_verify(model: GPT, blocks, overwrite, x, pos, k_cache, v_cache) -> torch.Tensor:
     """A self-speculation round's verification: the drafts' streams x [1, T, D] at positions pos [T]
     through the remaining ``blocks``, every position read out: the logits [T, V]."""
@@ -304,12 +312,16 @@ class FastDecode:
     @torch.inference_mode()
     def draft(
         self, blocks: list[int], overwrite: frozenset[int], cache: KVCache, token: int, position: int,
-        lens_block: int | None,
+        lens_block: int | None, rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """A self-speculation draft of ``token`` at ``position`` (``static_draft``; the cache's length
-        stays): the stream leaving ``blocks`` [1, 1, D] and the logits [V]."""
+        stays): the stream leaving ``blocks`` [1, 1, D] and the logits [V], or [N] over a draft
+        vocabulary's ``rows`` (its table [N, D] and bias [N], ``static_draft_rows``)."""
         idx, pos = self._inputs(token, position)
         bound = (tuple(blocks), overwrite, lens_block)
+        if rows is not None:  # a draft vocabulary: its table and bias are inputs, its size in the key
+            key = ("draft", *bound, rows[0].size(0), cache.max_len)
+            return self._compiled(key, static_draft_rows, *bound)(idx, pos, cache.k, cache.v, *rows)
         x, logits = self._compiled(("draft", *bound, cache.max_len), static_draft, *bound)(
             idx, pos, cache.k, cache.v
         )

@@ -437,6 +437,12 @@ class GPT(nn.Module):
         full = bias.to(logits.dtype).expand(*logits.shape[:-1], -1).clone()  # [B, T, V]: skipped rows' bias
         return full.index_copy_(-1, self.read_rows, logits + bias[self.read_rows].to(logits.dtype))
 
+    def unembed_rows(self, x: torch.Tensor, table: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """The read-out over some tokens only: the final norm, then their rows ``table`` [N, D] of the
+        token table and their ``bias`` [N] (``lab.speculate.DraftVocabulary``). One position x [1, 1, D]
+        -> [N], a matrix-vector product."""
+        return torch.mv(table, self.ln_f(x).reshape(-1)) + bias  # [N]
+
     def run_blocks(
         self,
         x: torch.Tensor,

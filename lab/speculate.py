@@ -21,6 +21,7 @@ import torch
 
 from lab.blocks import BlockSet
 from lab.decode import Decoder
+from lab.errors import UserError
 from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
 from lab.model import GPT
 from lab.sampling import SamplingParams, pick_token, token_probabilities
@@ -41,6 +42,41 @@ class SpeculationStats:
         return self.accepted / self.drafted if self.drafted else None
 
 
+class DraftVocabulary:
+    """The tokens drafts are read out over under ``vocab=N``: the first N of the model's tuned-lens
+    ranking (``TunedLens.ranking``: the tokens its final read-out most often makes the most likely
+    on the calibration text), their rows of the token table copied together. FR-Spec's draft
+    vocabulary (Zhao et al. 2025): a draft's read-out multiplies N rows instead of the whole table;
+    a token outside them is never drafted, and the verification, which reads every token, keeps the
+    output the full set's."""
+
+    def __init__(self, model: GPT, size: int):
+        lens = model.tuned_lens
+        if lens is None or lens.ranking is None:
+            has = "has none" if lens is None else "was fitted before lenses recorded one"
+            raise UserError(
+                "blocks: vocab=N drafts over the ranking of final tokens the model's tuned lens records, "
+                f"and this model's lens {has}: fit it with `blocklab lens fit --model MODEL` (MODEL as you "
+                "load it), then load the model again"
+            )
+        weight = model.wte.weight
+        self.tokens = lens.ranking[:size].to(weight.device)  # [N] token ids
+        self.table = weight[self.tokens].contiguous()  # [N, D]
+        bias = model.logit_bias  # [V] or None
+        self.bias = weight.new_zeros(len(self.tokens)) if bias is None else bias[self.tokens].to(weight.dtype)
+        self.vocab_size = model.config.vocab_size
+
+    def token(self, logits: torch.Tensor) -> int:
+        """The most likely token of a draft's logits [N]."""
+        return int(self.tokens[logits.argmax()])
+
+    def probabilities(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+        """The distribution a draft is drawn from, over every token [V] (none outside the vocabulary),
+        from its logits [N]."""
+        full = logits.new_full((self.vocab_size,), float("-inf")).index_copy_(0, self.tokens, logits)  # [V]
+        return token_probabilities(full, sampling)
+
+
 class Speculator:
     """The draft and verification passes of one sequence; see the module docstring."""
 
@@ -56,6 +92,8 @@ class Speculator:
         self.verify_blocks = [i for i in self.decoder.blocks if i >= block_set.speculate]
         self.lens = require_tuned_lens(model, block_set)  # the drafts' read-out (None: the logit lens)
         self.draft_exit = [exit_translator(self.lens, self.draft_blocks)]
+        size = block_set.draft_vocabulary
+        self.vocabulary = None if size is None else DraftVocabulary(model, size)
         self.overwrite = block_set.overwrite
         self.stats = SpeculationStats()
 
@@ -106,10 +144,15 @@ class Speculator:
                 break
             stream, logits = self._draft_step(token, start + j, fast)
             streams.append(stream)
+            vocabulary = self.vocabulary
             if sampling.temperature == 0.0:
-                token = int(logits.argmax())
+                token = int(logits.argmax()) if vocabulary is None else vocabulary.token(logits)
             else:
-                draft_probs.append(token_probabilities(logits, sampling))
+                draft_probs.append(
+                    token_probabilities(logits, sampling)
+                    if vocabulary is None
+                    else vocabulary.probabilities(logits, sampling)
+                )
                 token = int(torch.multinomial(draft_probs[-1], 1, generator=generator))
             drafts.append(token)
         return streams, drafts, draft_probs
@@ -123,15 +166,18 @@ class Speculator:
 
     def _draft_step(self, token: int, pos: int, fast) -> tuple[torch.Tensor, torch.Tensor]:
         """``_feed``, and the draft's read-out of the stream (the tuned lens's, under lens=tuned):
-        the stream [1, 1, D] and the logits [V], in float32."""
+        the stream [1, 1, D] and the logits in float32, [V] or [N] over the draft vocabulary."""
+        rows = None if self.vocabulary is None else (self.vocabulary.table, self.vocabulary.bias)
         if fast is not None:
             cache = self.decoder.cache
             stream, logits = fast.draft(
-                self.draft_blocks, self.overwrite, cache, token, pos, self.draft_exit[0]
+                self.draft_blocks, self.overwrite, cache, token, pos, self.draft_exit[0], rows
             )
             return stream, logits.float()
         stream = self._feed(token, pos, None)
         read = translate_exits(self.lens, stream, self.draft_exit)  # [1, 1, D]
+        if rows is not None:
+            return stream, self.model.unembed_rows(read, *rows).float()  # [N]
         return stream, self.model.unembed(read)[0, -1].float()  # [V]
 
     def _verify(

@@ -44,7 +44,7 @@ from serve import http_front, openai_compat
 from serve.connections import DeadlineH11Protocol
 from serve.litserve_adapter import LitServePool
 from serve.metrics import Metrics
-from serve.schema import ModelLimits, missing_lens
+from serve.schema import ModelLimits, missing_lens, missing_ranking
 from serve.shared import SharedState
 from serve.worker import ModelFactory, WeightsLoader, Worker
 
@@ -247,9 +247,11 @@ def _check_default_blocks(config: ServeConfig, limits: ModelLimits) -> None:
         raise RuntimeError(f"--default-blocks {config.default_blocks}: {error}") from None
     if default.adaptive_check == "probe" and not limits.exit_probe:
         raise RuntimeError(f"--default-blocks {config.default_blocks}: check=probe needs an exit probe")
+    limits = replace(limits, model_name=config.model)
     if default.lens == "tuned" and not limits.tuned_lens:
-        limits = replace(limits, model_name=config.model)
         raise RuntimeError(f"--default-blocks {config.default_blocks}: {missing_lens(limits)}")
+    if default.draft_vocabulary is not None and not limits.ranking:
+        raise RuntimeError(f"--default-blocks {config.default_blocks}: {missing_ranking(limits)}")
 
 
 def _interrupt(signum, frame) -> None:

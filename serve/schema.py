@@ -159,6 +159,8 @@ class ModelLimits:
     """Whether the model has an exit probe (lab.exit_probe), which ``check=probe`` needs."""
     tuned_lens: bool = False
     """Whether the model has a tuned lens (lab.lens), which ``lens=tuned`` needs."""
+    ranking: bool = False
+    """Whether its lens ranks the final tokens (``TunedLens.ranking``), which ``vocab=N`` needs."""
     model_name: str = "MODEL"
     """The served model as ``--model`` named it (what an error tells the user to fit a lens for)."""
     default_blocks: str | None = None
@@ -202,6 +204,15 @@ def missing_lens(limits: ModelLimits) -> str:
     )
 
 
+def missing_ranking(limits: ModelLimits) -> str:
+    """Why ``vocab=N`` is refused by a model whose lens ranks no tokens, and what to do."""
+    return (
+        "vocab=N drafts over the final tokens the model's tuned lens ranks, and the served model has "
+        f"{'a lens fitted before lenses ranked them' if limits.tuned_lens else 'no tuned lens'}: fit one "
+        f"with `blocklab lens fit --model {limits.model_name}`, then restart the server"
+    )
+
+
 @dataclass(frozen=True)
 class Job:
     """A request resolved for the served model: what a worker runs (``resolve`` makes it)."""
@@ -239,6 +250,8 @@ def resolve(
     if block_set.lens == "tuned" and not limits.tuned_lens:
         field = "blocks" if request.blocks is not None else KEYS["lens"].request
         raise RequestError(field, missing_lens(limits))
+    if block_set.draft_vocabulary is not None and not limits.ranking:
+        raise RequestError("blocks", missing_ranking(limits))
     for option in sorted(needs):
         refused = block_set.cannot_serve(option)
         if refused is not None:

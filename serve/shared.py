@@ -29,7 +29,7 @@ class SharedState:
 
     def __init__(self, slots: int):
         context = mp.get_context("spawn")
-        self.model = context.RawArray(ctypes.c_int64, 6)
+        self.model = context.RawArray(ctypes.c_int64, 7)
         self.cancelled = context.RawArray(ctypes.c_int64, slots)
         self.counters = context.RawArray(ctypes.c_int64, self.MAX_WORKERS * len(COUNTERS))
 
@@ -57,17 +57,20 @@ class SharedState:
     def publish(self, model: GPT) -> None:
         cfg = model.config
         has_probe, has_lens = int(model.exit_probe is not None), int(model.tuned_lens is not None)
-        self.model[1:] = [cfg.block_size, cfg.vocab_size, parameter_count(model), has_probe, has_lens]
+        has_ranking = int(has_lens and model.tuned_lens.ranking is not None)
+        described = [cfg.block_size, cfg.vocab_size, parameter_count(model), has_probe, has_lens, has_ranking]
+        self.model[1:] = described
         self.model[0] = cfg.n_layer  # last: a depth marks the rest as written (see limits)
 
     def limits(self) -> ModelLimits | None:
-        n_layer, block_size, _, _, has_probe, has_lens = self.model[:]
+        n_layer, block_size, _, _, has_probe, has_lens, has_ranking = self.model[:]
         if not n_layer:
             return None
-        return ModelLimits(n_layer, block_size, exit_probe=bool(has_probe), tuned_lens=bool(has_lens))
+        lens = {"tuned_lens": bool(has_lens), "ranking": bool(has_ranking)}
+        return ModelLimits(n_layer, block_size, exit_probe=bool(has_probe), **lens)
 
     def model_info(self) -> dict:
-        n_layer, block_size, vocab_size, n_params, has_probe, has_lens = self.model[:]
+        n_layer, block_size, vocab_size, n_params, has_probe, has_lens, _ = self.model[:]
         return {
             "depth": n_layer,
             "context_length": block_size,

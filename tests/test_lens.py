@@ -156,6 +156,21 @@ def test_only_the_chosen_blocks_are_fitted(model):
         fit.check_blocks([3], CFG.n_layer)
 
 
+def test_a_fit_ranks_the_final_top_tokens_and_measures_their_coverage(model, fitted):
+    """The ranking is every token the final read-out makes the most likely on the calibration text,
+    the most frequent first; the coverage of its first N is measured on the held-out windows."""
+    data = windows(12)
+    top = fit.final_top1(model, data[:10])  # [P]
+    counts = torch.bincount(top, minlength=model.config.vocab_size)
+    ranking = fitted.ranking
+    assert set(ranking.tolist()) == set(top.tolist())
+    assert counts[ranking].tolist() == sorted(counts[ranking].tolist(), reverse=True)
+    held_out_top = fit.final_top1(model, data[10:])
+    for n, share in fitted.metadata["ranking_coverage"].items():
+        expected = float(torch.isin(held_out_top, ranking[: int(n)]).float().mean())
+        assert share == pytest.approx(expected, abs=1e-4)
+
+
 def test_save_and_load_round_trip_with_the_fingerprint(tmp_path, model, fitted):
     assert load_tuned_lens(tmp_path, model) is None
     save_tuned_lens(fitted, tmp_path)
@@ -163,6 +178,7 @@ def test_save_and_load_round_trip_with_the_fingerprint(tmp_path, model, fitted):
     for name, tensor in fitted.tensors().items():
         assert torch.equal(loaded.tensors()[name], tensor)
     assert loaded.blocks == fitted.blocks == (0, 1, 2) and loaded.rank is None
+    assert torch.equal(loaded.ranking, fitted.ranking) and loaded.ranking.dtype == torch.long
     assert loaded.metadata == fitted.metadata
     data = windows(12)
     assert loaded.metadata["calibration_sha256"] == fingerprint(data[:10] + data[10:])

@@ -237,6 +237,9 @@ def test_lens_tuned_exits_through_the_served_models_lens(server, client):
     assert tuned["score"]["mean_loss"] == pytest.approx(local, rel=1e-4)
     logit = predict(client, **body, blocks="exit=2")
     assert logit["score"]["mean_loss"] != pytest.approx(tuned["score"]["mean_loss"], rel=1e-3)
+    drafting = predict(client, prompt=PROMPT, max_new_tokens=6, blocks="speculate=2;k=3;vocab=512")
+    full = [step.token for step in generate(model, prompt, 6, eos_token=tokens.EOT)]
+    assert drafting["tokens"] == full and drafting["speculation"]["drafted"] > 0
     api = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     out = api.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"blocks": "exit=2;lens=tuned"}

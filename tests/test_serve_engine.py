@@ -455,6 +455,24 @@ def test_lens_tuned_is_refused_by_a_model_without_a_lens_saying_how_to_fit_one()
     app._check_default_blocks(config, ModelLimits(12, 64, tuned_lens=True))
 
 
+def test_a_draft_vocabulary_is_refused_by_a_lens_without_a_ranking():
+    from serve import app
+
+    drafting = PredictRequest(prompt="hello there", blocks="speculate=2;vocab=256")
+    for limits, cause in [(ModelLimits(N_LAYER, 32), "no tuned lens"),
+                          (ModelLimits(N_LAYER, 32, tuned_lens=True), "a lens fitted before")]:  # fmt: skip
+        with pytest.raises(RequestError) as error:
+            resolve(drafting, replace(limits, model_name="builtin"))
+        assert error.value.field == "blocks" and cause in error.value.message
+        assert "`blocklab lens fit --model builtin`" in error.value.message
+    ranked = ModelLimits(N_LAYER, 32, tuned_lens=True, ranking=True)
+    assert resolve(drafting, ranked).block_set.draft_vocabulary == 256
+    config = app.ServeConfig(model="builtin", default_blocks="speculate=6;vocab=256")
+    with pytest.raises(RuntimeError, match="vocab=N drafts .* `blocklab lens fit --model builtin`"):
+        app._check_default_blocks(config, ModelLimits(12, 64, tuned_lens=True))
+    app._check_default_blocks(config, replace(ranked, n_layer=12))
+
+
 def test_the_worker_runs_resolved_jobs_from_its_inbox():
     """``Worker.serve`` through plain queues, as the pool feeds it: orders in, a started message and
     the events out; a cancelled order ends without an event, one that waited too long gets 504."""

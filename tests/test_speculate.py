@@ -13,6 +13,7 @@ from lab import tokens
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
 from lab.generate import generate, score
+from lab.lens.translator import TunedLens
 from lab.model import GPT
 from lab.sampling import SamplingParams
 from lab.speculate import SpeculationStats
@@ -100,6 +101,49 @@ def test_a_tuned_draft_is_the_exit_through_the_lens(model):
     assert drafts["tuned"] == exit_tokens and drafts["logit"] != exit_tokens
 
 
+def ranked(model: GPT) -> GPT:
+    """``model`` (the same modules) whose lens ranks the tokens its full stack predicts on the prompts
+    (``lab.lens.fit.top1_ranking``, as a fit ranks them on its calibration text)."""
+    from lab.lens.fit import top1_ranking
+
+    model = copy.copy(model)
+    windows = [tokens.encode(prompt) + tokens_of(model, prompt, "all") for prompt in PROMPTS]
+    model.tuned_lens = copy.copy(model.tuned_lens)
+    model.tuned_lens.ranking, _ = top1_ranking(model, windows, windows)
+    return model
+
+
+@pytest.mark.parametrize("spec", ["speculate=2;k=3;vocab=16", "speculate=1;k=4;vocab=3;lens=tuned"])
+def test_drafts_over_a_draft_vocabulary_give_the_full_sets_tokens(model, spec):
+    """Under vocab=N every draft is one of the ranking's first N tokens, and the verification keeps
+    the full set's tokens exactly, whether or not the full set's token is among them."""
+    from lab.sampling import GREEDY
+    from lab.speculate import Speculator
+
+    model = ranked(model)
+    block_set, stats = BlockSet.parse(spec, 4), SpeculationStats()
+    allowed = set(model.tuned_lens.ranking[: block_set.draft_vocabulary].tolist())
+    for prompt in map(tokens.encode, PROMPTS):
+        got = [s.token for s in generate(model, prompt, 24, block_set=block_set, speculation=stats)]
+        assert got == tokens_of(model, tokens.decode(prompt), "all"), (spec, prompt)
+        speculator = Speculator(model, block_set, max_len=64)
+        speculator.decoder.prefill(prompt)
+        _, drafts, _ = speculator._draft(got[0], len(prompt), 4, GREEDY, torch.Generator(), None)
+        assert set(drafts) <= allowed
+    assert 0 < stats.accepted < stats.drafted
+
+
+def test_a_draft_vocabulary_needs_a_lens_with_a_ranking(model):
+    from lab.errors import UserError
+
+    unranked = copy.copy(model)
+    unranked.tuned_lens = copy.copy(model.tuned_lens)
+    unranked.tuned_lens.ranking = None
+    block_set = BlockSet.parse("speculate=2;vocab=8", 4)
+    with pytest.raises(UserError, match="blocklab lens fit"):
+        list(generate(unranked, tokens.encode(PROMPTS[0]), 4, block_set=block_set))
+
+
 def test_scoring_under_speculation_is_the_full_sets_loss(model):
     ids = tokens.encode(PROMPTS[2])
     assert score(model, ids, BlockSet.parse("speculate=2", 4)).token_losses == score(model, ids).token_losses
@@ -146,6 +190,16 @@ def test_sampled_speculation_draws_from_the_full_sets_distribution():
     assert distance(exact, draft_only) > 0.3  # the draft alone samples something else
     assert distance(empirical, exact) < 0.06  # sampling noise of 3,000 draws over 64 outcomes
 
+    # drafts over 2 of the 4 tokens (a ranking of the lens): the same distribution still
+    model.tuned_lens = TunedLens.identity(4, 16)
+    model.tuned_lens.ranking = torch.tensor([2, 0, 3, 1])
+    spec, counts = BlockSet.parse("speculate=2;k=2;vocab=2", 4), {}
+    for seed in range(n):
+        steps = generate(model, prompt, 3, SamplingParams(temperature=temperature, seed=seed), block_set=spec)
+        seq = tuple(step.token for step in steps)
+        counts[seq] = counts.get(seq, 0) + 1
+    assert distance({seq: counts.get(seq, 0) / n for seq in exact}, exact) < 0.06
+
 
 def job(spec: str, prompt: str, stream: bool = False, min_tokens: int = 0) -> Job:
     return Job(
@@ -181,8 +235,11 @@ def test_the_engine_serves_speculation_beside_other_rows(model):
 def test_the_grammar_of_speculation():
     assert str(BlockSet.parse(" speculate = 6 ; k = 3 ", 12)) == "speculate=6;k=3"
     assert BlockSet.parse("speculate=6;k=4", 12) == BlockSet(speculate=6)
+    assert str(BlockSet.parse("vocab = 2048 ; speculate=6", 12)) == "speculate=6;vocab=2048"
+    assert BlockSet.parse("speculate=6;vocab=64", 12).without_speculation() == BlockSet()
     for bad, part in [("k=3", "'k=3'"), ("speculate=0", "speculate=0"), ("speculate=12", "speculate=12"),
                       ("speculate=6;exit=9", "speculate=6"), ("speculate=6;k=17", "k=17"),
-                      ("speculate=+6", "speculate=+6"), ("skip=0;speculate=1", "speculate=1")]:  # fmt: skip
+                      ("speculate=+6", "speculate=+6"), ("skip=0;speculate=1", "speculate=1"),
+                      ("vocab=64", "'vocab=64'"), ("speculate=6;vocab=0", "vocab=0")]:  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(part)):
             BlockSet.parse(bad, 12)

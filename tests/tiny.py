@@ -96,6 +96,7 @@ def random_lens(model: GPT, seed: int = 0, scale: float = 0.5) -> TunedLens:
     lens.weight[: L - 1] = torch.randn(L - 1, D, D, generator=generator) * scale / D**0.5
     lens.bias[: L - 1] = torch.randn(L - 1, D, generator=generator) * scale
     lens.blocks = tuple(range(L - 1))
+    lens.ranking = torch.randperm(model.config.vocab_size, generator=generator)  # vocab=N drafts: any N
     return lens.to(model.wte.weight.device, model.wte.weight.dtype)
 
 

@@ -240,6 +240,34 @@ def held_out_kl(
     return {name: (total / positions).tolist() for name, total in totals.items()}
 
 
+RANKING_SIZES = (256, 1024, 2048, 4096)
+"""Draft vocabularies whose held-out coverage a fit records (``ranking_coverage``)."""
+
+
+@torch.no_grad()
+def final_top1(model: GPT, windows: list[list[int]]) -> torch.Tensor:
+    """The final read-out's most likely token at every position of ``windows``: ids [P]."""
+    read_out, device = ReadOut(model), model.wte.weight.device
+    finals = [model.residual_stream(torch.tensor([window], device=device))[0] for window in windows]
+    return torch.cat([read_out.top1(read_out.logits(final)) for final in finals])  # [P]
+
+
+def top1_ranking(
+    model: GPT, calibration: list[list[int]], held_out: list[list[int]]
+) -> tuple[torch.Tensor, dict]:
+    """The tokens the final read-out makes most likely on ``calibration``, the most frequent first
+    (``TunedLens.ranking``: a draft vocabulary of its first N), and per N of ``RANKING_SIZES`` the
+    share of ``held_out``'s positions whose most likely token is among the first N."""
+    counts = torch.bincount(final_top1(model, calibration), minlength=model.config.vocab_size)  # [V]
+    order = torch.sort(counts, descending=True, stable=True).indices  # [V]
+    ranking = order[: int(counts.gt(0).sum())]  # [R]
+    rank = torch.full_like(counts, len(counts))  # [V]: each token's place in the ranking
+    rank[ranking] = torch.arange(len(ranking), device=rank.device)
+    held_out_rank = rank[final_top1(model, held_out)]  # [P]
+    coverage = {str(n): round(float(held_out_rank.lt(n).float().mean()), 4) for n in RANKING_SIZES}
+    return ranking, coverage
+
+
 def step_windows(count: int, per_step: int, step: int, seed: int) -> list[int]:
     """The calibration windows of ``step``: consecutive slices of seeded permutations, one per pass
     over the ``count`` windows. A function of the step alone, so a resumed fit reads what an
@@ -370,11 +398,13 @@ def fit_tuned_lens(
                 save_checkpoint(checkpoint, done, translators, optimizer, identity)
         lens = translators.lens(model.config.n_layer).to(model.wte.weight.device)
         kl = held_out_kl(model, lens, held_out, blocks)
+        lens.ranking, coverage = top1_ranking(model, calibration, held_out)
     lens.metadata = {
         **{key: identity[key] for key in ("calibration_sha256", "model_fingerprint", "recipe")},
         "steps": recipe.steps,
         "calibration_windows": len(calibration),
         "held_out_windows": len(held_out),
+        "ranking_coverage": coverage,
     }
     for name, values in kl.items():  # per block of the model, None where not fitted
         per_block = dict(zip(blocks, values, strict=True))

@@ -58,6 +58,9 @@ class TunedLens:
     """[L, r, D] at rank r."""
     blocks: tuple[int, ...] = ()
     """The blocks whose translators were fitted."""
+    ranking: torch.Tensor | None = None
+    """[R] token ids, each the final read-out's most likely token at some calibration position, the
+    most frequent first: the draft vocabulary of ``speculate=E;vocab=N`` (``lab.speculate``)."""
     metadata: dict = field(default_factory=dict)
     """What the file records: the calibration text's fingerprint, steps, held-out KL per block, ..."""
 
@@ -100,7 +103,8 @@ class TunedLens:
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> TunedLens:
         moved = {name: tensor.to(device=device, dtype=dtype) for name, tensor in self.tensors().items()}
-        return TunedLens(**moved, blocks=self.blocks, metadata=self.metadata)
+        ranking = None if self.ranking is None else self.ranking.to(device)  # ids stay integers
+        return TunedLens(**moved, blocks=self.blocks, ranking=ranking, metadata=self.metadata)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,6 +228,8 @@ def save_tuned_lens(lens: TunedLens, directory: Path) -> Path:
     temporary = path.with_name(FILE + ".tmp")
     metadata = {"format": FORMAT, "blocks": lens.blocks, "rank": lens.rank, **lens.metadata}
     tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in lens.tensors().items()}
+    if lens.ranking is not None:
+        tensors["ranking"] = lens.ranking.cpu()
     save_file(tensors, str(temporary), metadata={key: json.dumps(value) for key, value in metadata.items()})
     temporary.replace(path)
     return path
@@ -241,7 +247,7 @@ def load_tuned_lens(directory: Path, model: GPT | None = None) -> TunedLens | No
     if metadata.pop("format", None) != FORMAT:
         raise UserError(f"{path}: not a blocklab tuned lens")
     blocks, _ = tuple(metadata.pop("blocks")), metadata.pop("rank", None)
-    lens = TunedLens(**tensors, blocks=blocks, metadata=metadata)
+    lens = TunedLens(**tensors, blocks=blocks, metadata=metadata)  # a lens fitted before rankings: None
     if model is not None:
         check_fits(lens, model, str(path))
     return lens
