@@ -60,12 +60,14 @@ def decode(model, prompts: list[list[int]], new: int, block_set: BlockSet) -> tu
 
 
 def speculation_row(
-    model, prompts: list[list[int]], exit_block: int, k: int, lens: str, new_tokens: int, draft_cost
-):
-    """One setting ``speculate=E;k=K;lens=LENS`` against full depth, timed in turn; ``draft_cost``
-    (None: measure it here, beside this baseline) is a draft token's time over a full-depth token's.
-    Returns the row and the draft cost."""
-    spec = BlockSet(speculate=exit_block, draft_tokens=k, lens=lens).validate(model.config.n_layer)
+    model, prompts: list[list[int]], exit_block: int, k: int, lens: str, vocab: int | None, new_tokens: int,
+    draft_cost,
+):  # fmt: skip
+    """One setting ``speculate=E;k=K;lens=LENS[;vocab=N]`` against full depth, timed in turn;
+    ``draft_cost`` (None: measure it here, beside this baseline) is a draft token's time over a
+    full-depth token's, read out over the whole table. Returns the row and the draft cost."""
+    spec = BlockSet(speculate=exit_block, draft_tokens=k, lens=lens, draft_vocabulary=vocab)
+    spec = spec.validate(model.config.n_layer)
     full_s, full_tokens, _ = decode(model, prompts, new_tokens, BlockSet())
     full_token_s = full_s / sum(map(len, full_tokens))
     if draft_cost is None:  # the draft's own pass (exit=E through the same read-out), beside this baseline
@@ -79,6 +81,7 @@ def speculation_row(
         "exit": exit_block,
         "k": k,
         "lens": lens,
+        "vocab": vocab,
         "speedup": round(full_s / spec_s, 3),
         "acceptance_rate": round(stats.acceptance_rate or 0.0, 3),
         "tokens_per_verify": round(sum(map(len, spec_tokens)) / max(1, stats.rounds), 2),
@@ -109,6 +112,7 @@ def main(
     exits: tuple[int, ...] = (2, 4, 6, 8),
     drafts: tuple[int, ...] = (2, 4, 6),
     lenses: tuple[Literal["logit", "tuned"], ...] | None = None,
+    vocabs: tuple[int, ...] = (),
     prompts: int = 8,
     prompt_tokens: int = 32,
     new_tokens: int = 64,
@@ -126,6 +130,8 @@ def main(
         drafts: Draft lengths K: the tokens drafted per round.
         lenses: The drafts' read-outs: logit (as is), tuned (through the model's tuned lens, fitted by
             `blocklab lens fit`); default both where the model has a tuned lens, else logit.
+        vocabs: Draft vocabularies N (vocab=N: the drafts read out over the first N tokens of the
+            tuned lens's ranking) to time besides the whole table.
         prompts: Held-out standard-library files to take a prompt from.
         prompt_tokens: Tokens of each prompt.
         new_tokens: Tokens decoded after each prompt.
@@ -147,8 +153,9 @@ def main(
     rows = []
     for exit_block, lens in itertools.product(exits, lenses):
         draft_cost = None  # measured once per draft exit and read-out
-        for k in drafts:
-            row, draft_cost = speculation_row(loaded, texts, exit_block, k, lens, new_tokens, draft_cost)
+        for k, vocab in itertools.product(drafts, (None, *vocabs)):
+            setting = (exit_block, k, lens, vocab)
+            row, draft_cost = speculation_row(loaded, texts, *setting, new_tokens, draft_cost)
             rows.append(row)
             if not json:
                 print_row(row)
@@ -175,11 +182,11 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (speed, accept) = plt.subplots(1, 2, figsize=(10, 4))
-    for (k, lens), style in zip(
-        sorted({(row["k"], row["lens"]) for row in rows}), itertools.cycle(["o-", "s--"]), strict=False
-    ):
-        mine = [row for row in rows if row["k"] == k and row["lens"] == lens]
-        exits, label = [row["exit"] for row in mine], f"k={k}, {lens} lens"
+    settings = sorted({(row["k"], row["lens"], row.get("vocab") or 0) for row in rows})
+    for (k, lens, vocab), style in zip(settings, itertools.cycle(["o-", "s--", "^:"]), strict=False):
+        mine = [row for row in rows if (row["k"], row["lens"], row.get("vocab") or 0) == (k, lens, vocab)]
+        label = f"k={k}, {lens} lens" + (f", vocab={vocab}" if vocab else "")
+        exits = [row["exit"] for row in mine]
         speed.plot(exits, [row["speedup"] for row in mine], style, label=label)
         accept.plot(exits, [row["acceptance_rate"] for row in mine], style, label=label)
     speed.axhline(1.0, color="grey", lw=0.8)
