@@ -157,15 +157,19 @@ def test_only_the_chosen_blocks_are_fitted(model):
 
 
 def test_a_fit_ranks_the_final_top_tokens_and_measures_their_coverage(model, fitted):
-    """The ranking is every token the final read-out makes the most likely on the calibration text,
-    the most frequent first; the coverage of its first N is measured on the held-out windows."""
+    """The ranking puts the tokens the final read-out makes the most likely on the calibration text
+    first, the most frequent first, then the others by the probability it gives them; the coverage of
+    its first N is measured on the held-out windows."""
     data = windows(12)
-    top = fit.final_top1(model, data[:10])  # [P]
+    top, mass = fit.final_predictions(model, data[:10])  # [P], [V]
     counts = torch.bincount(top, minlength=model.config.vocab_size)
     ranking = fitted.ranking
-    assert set(ranking.tolist()) == set(top.tolist())
+    first = len(set(top.tolist()))
+    assert set(ranking[:first].tolist()) == set(top.tolist())
     assert counts[ranking].tolist() == sorted(counts[ranking].tolist(), reverse=True)
-    held_out_top = fit.final_top1(model, data[10:])
+    rest = mass[ranking[first:]].tolist()
+    assert rest == sorted(rest, reverse=True) and len(ranking) == int(mass.gt(0).sum()) > first
+    held_out_top = fit.final_predictions(model, data[10:])[0]
     for n, share in fitted.metadata["ranking_coverage"].items():
         expected = float(torch.isin(held_out_top, ranking[: int(n)]).float().mean())
         assert share == pytest.approx(expected, abs=1e-4)

@@ -245,25 +245,36 @@ RANKING_SIZES = (256, 1024, 2048, 4096)
 
 
 @torch.no_grad()
-def final_top1(model: GPT, windows: list[list[int]]) -> torch.Tensor:
-    """The final read-out's most likely token at every position of ``windows``: ids [P]."""
+def final_predictions(model: GPT, windows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final read-out at every position of ``windows``: its most likely token, ids [P], and the
+    probability it gives each token, summed over the positions [V]."""
     read_out, device = ReadOut(model), model.wte.weight.device
-    finals = [model.residual_stream(torch.tensor([window], device=device))[0] for window in windows]
-    return torch.cat([read_out.top1(read_out.logits(final)) for final in finals])  # [P]
+    mass = torch.zeros(model.config.vocab_size, device=device)  # [V]
+    tops = []
+    for window in windows:
+        final = model.residual_stream(torch.tensor([window], device=device))[0]  # [T, D]
+        logits = read_out.logits(final).float()  # [T, C]
+        tops.append(read_out.top1(logits))
+        probs = torch.softmax(logits, dim=-1)[:, : len(read_out.rows)].sum(0)  # [V_read]: read rows only
+        mass.index_add_(0, read_out.rows, probs)
+    return torch.cat(tops), mass  # [P], [V]
 
 
 def top1_ranking(
     model: GPT, calibration: list[list[int]], held_out: list[list[int]]
 ) -> tuple[torch.Tensor, dict]:
-    """The tokens the final read-out makes most likely on ``calibration``, the most frequent first
-    (``TunedLens.ranking``: a draft vocabulary of its first N), and per N of ``RANKING_SIZES`` the
-    share of ``held_out``'s positions whose most likely token is among the first N."""
-    counts = torch.bincount(final_top1(model, calibration), minlength=model.config.vocab_size)  # [V]
-    order = torch.sort(counts, descending=True, stable=True).indices  # [V]
-    ranking = order[: int(counts.gt(0).sum())]  # [R]
+    """The tokens the final read-out predicts on ``calibration``: the most often most likely first,
+    then by the probability it gives them (``TunedLens.ranking``: a draft vocabulary of its first N),
+    every token it gives any; and per N of ``RANKING_SIZES`` the share of ``held_out``'s positions
+    whose most likely token is among the first N."""
+    top, mass = final_predictions(model, calibration)
+    counts = torch.bincount(top, minlength=model.config.vocab_size)  # [V]
+    by_mass = torch.sort(mass, descending=True, stable=True).indices  # [V]
+    order = by_mass[torch.sort(counts[by_mass], descending=True, stable=True).indices]  # [V]: count, mass
+    ranking = order[: int((counts.gt(0) | mass.gt(0)).sum())]  # [R]
     rank = torch.full_like(counts, len(counts))  # [V]: each token's place in the ranking
     rank[ranking] = torch.arange(len(ranking), device=rank.device)
-    held_out_rank = rank[final_top1(model, held_out)]  # [P]
+    held_out_rank = rank[final_predictions(model, held_out)[0]]  # [P]
     coverage = {str(n): round(float(held_out_rank.lt(n).float().mean()), 4) for n in RANKING_SIZES}
     return ranking, coverage
 
