@@ -8,7 +8,8 @@ with the acceptance rate, and whether the greedy tokens are the same.
 
 Prompts are held-out standard library source (``lab.corpora``), the text the builtin model was not
 trained on. Each setting decodes the same prompts greedily; the baseline (``all``) is timed in the
-same run, interleaved, so the ratio holds under the machine's load of the moment.
+same run, in interleaved rounds (``--rounds``), so the ratio holds under the machine's load of the
+moment; the speedup is the median of the rounds' ratios, with its 95% bootstrap interval.
 
 The cost model beside each row: a round drafts ``drafted / rounds`` tokens at ``draft_cost`` (a token
 decoded under ``exit=E``, the draft's own pass, timed in the same run, over a full-depth token) and
@@ -20,6 +21,7 @@ the denominator (docs/inference.md works it out for GPT-2 small's shapes).
 
 import itertools
 import os
+import statistics
 import sys
 import time
 from json import dumps
@@ -34,6 +36,7 @@ from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
 from lab.generate import generate
 from lab.lens.home import how_to_fit
+from lab.measure import interleaved, interval
 from lab.quantize import WEIGHT_DTYPES
 from lab.speculate import SpeculationStats
 from lab.weights import load_model
@@ -61,28 +64,44 @@ def decode(model, prompts: list[list[int]], new: int, block_set: BlockSet) -> tu
 
 def speculation_row(
     model, prompts: list[list[int]], exit_block: int, k: int, lens: str, vocab: int | None, new_tokens: int,
-    draft_cost,
+    draft_cost, rounds: int,
 ):  # fmt: skip
-    """One setting ``speculate=E;k=K;lens=LENS[;vocab=N]`` against full depth, timed in turn;
+    """One setting ``speculate=E;k=K;lens=LENS[;vocab=N]`` against full depth, in ``rounds``
+    interleaved rounds (the speedup: the median of the rounds' ratios, with its interval);
     ``draft_cost`` (None: measure it here, beside this baseline) is a draft token's time over a
     full-depth token's, read out over the whole table. Returns the row and the draft cost."""
     spec = BlockSet(speculate=exit_block, draft_tokens=k, lens=lens, draft_vocabulary=vocab)
     spec = spec.validate(model.config.n_layer)
-    full_s, full_tokens, _ = decode(model, prompts, new_tokens, BlockSet())
+    runs: dict[str, list] = {"full": [], "speculate": []}
+
+    def timed(name: str, block_set: BlockSet):
+        def measure() -> float:
+            runs[name].append(decode(model, prompts, new_tokens, block_set))
+            return runs[name][-1][0]
+
+        return measure
+
+    seconds = interleaved({"full": timed("full", BlockSet()), "speculate": timed("speculate", spec)}, rounds)
+    ratios = [full / spec for full, spec in zip(seconds["full"], seconds["speculate"], strict=True)]
+    full_s, spec_s = statistics.median(seconds["full"]), statistics.median(seconds["speculate"])
+    _, full_tokens, _ = runs["full"][-1]
+    _, spec_tokens, stats = runs["speculate"][-1]
     full_token_s = full_s / sum(map(len, full_tokens))
     if draft_cost is None:  # the draft's own pass (exit=E through the same read-out), beside this baseline
         exit_s, exit_tokens, _ = decode(model, prompts, new_tokens, BlockSet(exit_at=exit_block, lens=lens))
         draft_cost = (exit_s / sum(map(len, exit_tokens))) / full_token_s
-    spec_s, spec_tokens, stats = decode(model, prompts, new_tokens, spec)
     round_s = spec_s / max(1, stats.rounds)
     drafts_per_round = stats.drafted / max(1, stats.rounds)
+    low_high = interval(ratios)
     row = {
         "block_set": str(spec),
         "exit": exit_block,
         "k": k,
         "lens": lens,
         "vocab": vocab,
-        "speedup": round(full_s / spec_s, 3),
+        "speedup": round(statistics.median(ratios), 3),
+        "speedup_interval": None if low_high is None else [round(end, 3) for end in low_high],
+        "rounds": rounds,
         "acceptance_rate": round(stats.acceptance_rate or 0.0, 3),
         "tokens_per_verify": round(sum(map(len, spec_tokens)) / max(1, stats.rounds), 2),
         "drafts_per_round": round(drafts_per_round, 2),
@@ -90,14 +109,14 @@ def speculation_row(
         "verify_cost": round(round_s / full_token_s - drafts_per_round * draft_cost, 3),
         "full_tokens_per_s": round(sum(map(len, full_tokens)) / full_s, 1),
         "tokens_per_s": round(sum(map(len, spec_tokens)) / spec_s, 1),
-        "greedy_identical": spec_tokens == full_tokens,
+        "greedy_identical": all(tokens == full_tokens for _, tokens, _ in runs["speculate"] + runs["full"]),
     }
     return row, draft_cost
 
 
 def print_row(r: dict) -> None:
     print(
-        f"{r['block_set']:>29}  speedup {r['speedup']:.2f}x  "
+        f"{r['block_set']:>29}  speedup {r['speedup']:.2f}x {r['speedup_interval']}  "
         f"accepted {r['acceptance_rate']:.0%}  "
         f"{r['tokens_per_s']:.1f} vs {r['full_tokens_per_s']:.1f} tok/s  "
         f"draft {r['draft_cost']:.2f} verify {r['verify_cost']:.2f} (full tokens)  "
@@ -113,6 +132,7 @@ def main(
     drafts: tuple[int, ...] = (2, 4, 6),
     lenses: tuple[Literal["logit", "tuned"], ...] | None = None,
     vocabs: tuple[int, ...] = (),
+    rounds: int = 3,
     prompts: int = 8,
     prompt_tokens: int = 32,
     new_tokens: int = 64,
@@ -132,6 +152,7 @@ def main(
             `blocklab lens fit`); default both where the model has a tuned lens, else logit.
         vocabs: Draft vocabularies N (vocab=N: the drafts read out over the first N tokens of the
             tuned lens's ranking) to time besides the whole table.
+        rounds: Interleaved rounds of full depth and each setting (the speedup's interval needs 2).
         prompts: Held-out standard-library files to take a prompt from.
         prompt_tokens: Tokens of each prompt.
         new_tokens: Tokens decoded after each prompt.
@@ -155,7 +176,7 @@ def main(
         draft_cost = None  # measured once per draft exit and read-out
         for k, vocab in itertools.product(drafts, (None, *vocabs)):
             setting = (exit_block, k, lens, vocab)
-            row, draft_cost = speculation_row(loaded, texts, *setting, new_tokens, draft_cost)
+            row, draft_cost = speculation_row(loaded, texts, *setting, new_tokens, draft_cost, rounds)
             rows.append(row)
             if not json:
                 print_row(row)
