@@ -321,6 +321,8 @@ def test_the_cli_fits_and_reports_on_a_tiny_saved_model(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| block | exit | held-out KL logit lens | held-out KL tuned lens |" in out
     lens = load_tuned_lens(tmp_path / "model", model)
+    shares = ", ".join(f"{n}: {share:.1%}" for n, share in lens.metadata["ranking_coverage"].items())
+    assert f"held-out top-1 covered by the first N: {shares}" in out and lens.ranking is not None
     assert lens.metadata["steps"] == 3 and lens.metadata["model"] == str(tmp_path / "model")
     assert not (tmp_path / "model" / fit.CHECKPOINT).exists()
     png = tmp_path / "lens.png"

@@ -146,6 +146,8 @@ def run_fit(options: FitOptions) -> int:
         for block in lens.blocks
     ]
     print(common.table(["block", "exit", "held-out KL logit lens", "held-out KL tuned lens"], rows))
+    coverage = ", ".join(f"{n}: {share:.1%}" for n, share in lens.metadata["ranking_coverage"].items())
+    print(f"draft vocabulary (speculate=E;vocab=N), held-out top-1 covered by the first N: {coverage}")
     seconds = lens.metadata["fit_seconds"]
     print(f"saved {path} ({seconds:.0f} s); `blocklab lens report --model {spec}` measures it")
     return 0
