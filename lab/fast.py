@@ -225,8 +225,9 @@ class WarmGraph:
     first call only. The guards (every module's flags, hooks and parameters, every input's shape) cost
     a sizeable share of a small model's step; here nothing they check can change between calls: each
     graph has a code object and a key of its own (kind of step, block set, bucket, round length),
-    whose inputs have fixed shapes, freezing made the weights constants, and hooks send the step to
-    the eager path before it gets here (``FastDecode.ready``)."""
+    whose inputs have fixed shapes, freezing made the weights constants (the tuned lens's tensors are
+    inputs, read at every call: a lens attached later is the one read), and hooks send the step to the
+    eager path before it gets here (``FastDecode.ready``)."""
 
     def __init__(self, compiled: Callable[..., torch.Tensor]):
         self.compiled = compiled

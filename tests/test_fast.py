@@ -16,7 +16,7 @@ from lab.decode import Decoder
 from lab.generate import generate
 from lab.hooks import capture
 from lab.sampling import SamplingParams
-from tests.tiny import TinyModel, assert_rows_alone
+from tests.tiny import TinyModel, assert_rows_alone, random_lens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,6 +113,17 @@ def test_each_compiled_graph_checks_only_its_own_guards():
     assert len(codes) >= 6 and len(set(map(id, codes))) == len(codes)
     entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
     assert [len(entries(code)) for code in codes] == [1] * len(codes)
+
+
+def test_a_new_tuned_lens_is_read_through_by_the_compiled_steps():
+    """The graphs skip their guards once warm; a lens attached after they compiled is still the one
+    the next exit reads through (its tensors are the graph's inputs), as in the eager step."""
+    quick, eager = traced(tiny()), tiny()
+    exit_set = BlockSet.parse("exit=2;lens=tuned", N_LAYER)
+    list(generate(quick, PROMPT, 4, block_set=exit_set))
+    quick.tuned_lens = eager.tuned_lens = random_lens(eager, seed=5, scale=2.0)
+    got = [s.token for s in generate(quick, PROMPT, 8, block_set=exit_set)]
+    assert got == [s.token for s in generate(eager, PROMPT, 8, block_set=exit_set)]
 
 
 def test_a_verification_over_a_static_cache_equals_the_eager_pass():
