@@ -39,6 +39,12 @@ buffer, sends a reset that can destroy the 400 before the client reads it. httpt
 pipelined requests as they come, so a request that fails behind one still being answered is
 answered in turn, once those before it are.
 
+A response leaves in one write where uvicorn makes two: it writes the status line and headers,
+then the body, each at once, so a client that reads the headers first is woken a second time for
+the body (on a busy machine, a scheduler's turn each). ``HeldWrites`` holds what a request's cycle
+writes until its response is complete, the connection closes, or the event loop's turn ends (a
+stream's chunks leave as they are made).
+
 Past ``max_connections`` open connections (uvicorn's ``limit_concurrency``, done here so the answer
 can be the API's own), an idle keep-alive connection is closed to make room, as nginx reuses them;
 with none idle, the request is answered by ``overloaded`` (an ASGI app: the API's 503 with
@@ -48,8 +54,8 @@ This is the one place that relies on uvicorn's protocol internals (``HttpToolsPr
 ``parser``, ``cycle``, ``pipeline``, ``url``, ``headers``, ``flow``, ``connections``, ``tasks``,
 ``app``, ``timeout_keep_alive_task``, the parser callbacks, ``_start_asgi_task``,
 ``on_response_complete``, ``send_400_response``, ``shutdown``, and ``RequestResponseCycle``'s
-``response_complete``, ``more_body`` and ``keep_alive``); an upgrade that changes them touches this
-file only.
+``transport`` (only ``write``, ``close`` and ``is_closing`` called on it), ``response_complete``,
+``more_body`` and ``keep_alive``); an upgrade that changes them touches this file only.
 """
 
 from __future__ import annotations
@@ -69,6 +75,34 @@ LINGER_S = 2.0
 """How long a connection answered 400 keeps reading (and discarding) before it closes."""
 REQUEST_LINE_FRAME = len(b"  HTTP/1.1\r\n\r\n")
 """What a request line and the blank line after the headers add to the method and target."""
+
+
+class HeldWrites:
+    """A connection's transport as its requests' cycles see it: what they write waits for
+    ``release``, which the protocol calls once a response is complete, and the event loop at the end
+    of the turn in which the writing began (module docstring)."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self.transport = transport
+        self.loop = loop
+        self.held: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self.held:
+            self.loop.call_soon(self.release)
+        self.held.append(data)
+
+    def release(self) -> None:
+        if self.held and not self.transport.is_closing():
+            self.transport.write(b"".join(self.held))
+        self.held.clear()
+
+    def close(self) -> None:
+        self.release()
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
 
 
 class HeadersTooLarge(Exception):
@@ -115,6 +149,7 @@ class DeadlineProtocol(HttpToolsProtocol):
         """Answered 400 (or about to be): what still arrives is read and dropped."""
         self.refusal: str | None = None
         """The 400's message while it waits for the answers before it to be complete."""
+        self.writes: HeldWrites | None = None  # the cycles' transport, once connected
         self.inner_app = self.app
         if max_connections is not None:
             self.app = self._admit  # every request of this connection goes through the limit
@@ -166,6 +201,7 @@ class DeadlineProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
+        self.writes = HeldWrites(transport, self.loop)
         self._rearm()
 
     def data_received(self, data: bytes) -> None:
@@ -212,6 +248,7 @@ class DeadlineProtocol(HttpToolsProtocol):
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app) -> None:
         self.running = cycle
+        cycle.transport = self.writes
         super()._start_asgi_task(cycle, app)
 
     def send_400_response(self, msg: str) -> None:
@@ -224,6 +261,7 @@ class DeadlineProtocol(HttpToolsProtocol):
             self._refuse()
 
     def _refuse(self) -> None:
+        self.writes.release()  # what a cycle wrote goes first
         message, self.refusal = self.refusal.encode("ascii"), None
         content = [STATUS_LINE[400]]
         for name, value in self.server_state.default_headers:
@@ -240,6 +278,7 @@ class DeadlineProtocol(HttpToolsProtocol):
         self.loop.call_later(LINGER_S, self.transport.close)
 
     def on_response_complete(self) -> None:
+        self.writes.release()  # the response, whole, in one write
         super().on_response_complete()  # starts the request parsed behind the response, if any
         if self.refusal is not None and not self._answering() and not self.transport.is_closing():
             self._refuse()
