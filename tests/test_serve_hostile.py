@@ -398,9 +398,8 @@ def test_headers_past_the_bound_sent_at_once_get_400_and_a_lingering_close(serve
 
 def test_headers_that_never_end_are_refused_once_past_the_bound_not_at_the_read_timeout(server):
     """Headers sent a kilobyte at a time past the bound, never finished: 400 as the bound is passed
-    (counted from the reads as they come), well before the read timeout."""
+    (counted from the reads as they come), not a close at the read timeout (which answers nothing)."""
     sock = connect(server)
-    start = time.monotonic()
     try:
         sock.sendall(b"GET /health HTTP/1.1\r\nX-Padding: ")
         for _ in range(3 * MAX_HEADER_BYTES // 1024):  # what follows the 400 is read and dropped
@@ -412,7 +411,6 @@ def test_headers_that_never_end_are_refused_once_past_the_bound_not_at_the_read_
         sock.close()
     assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
     assert str(MAX_HEADER_BYTES).encode() in answer
-    assert time.monotonic() - start < READ_TIMEOUT
 
 
 def test_garbage_behind_a_stream_is_answered_400_once_the_stream_is_whole(server):
