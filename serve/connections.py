@@ -27,12 +27,12 @@ The state is re-read after every read and after every response. On shutdown, con
 request is still arriving are closed at once: only whole requests are drained.
 
 httptools (uvicorn's default parser) takes a request line and headers of any size; here they may
-take ``max_header_bytes``, as nginx's ``large_client_header_buffers``. httptools does not say where in
-what it is fed a request begins or ends, so they are counted twice: while they arrive, by the reads they
-fill (a read in which another request ends first is left out, so the count never passes the true
-size, and no request is held more than a read past the bound), and once whole, from the request
-line and headers as parsed. Past the bound, or on a request httptools cannot parse, the answer is 400
-(what uvicorn's h11 parser answers past its 32 kB), then a lingering close, as nginx's
+take ``max_header_bytes``, as nginx's ``large_client_header_buffers``. httptools does not say where
+in what it is fed a request begins or ends, so they are counted twice: while they arrive, by the
+reads they fill (a read in which another request ends first is left out, so the count never passes
+the true size, and no request is held more than a read past the bound), and once whole, from the
+request line and headers as parsed. Past the bound, or on a request httptools cannot parse, the
+answer is 400 (what uvicorn's h11 parser answers past its 32 kB), then a lingering close, as nginx's
 ``lingering_close``: the server stops writing and reads and discards what the client is still
 sending for up to ``LINGER_S``. Closing at once, with the client's unread bytes in the kernel's
 buffer, sends a reset that can destroy the 400 before the client reads it. httptools parses
@@ -51,8 +51,8 @@ with none idle, the request is answered by ``overloaded`` (an ASGI app: the API'
 Retry-After) and its connection closed.
 
 This is the one place that relies on uvicorn's protocol internals (``HttpToolsProtocol``, its
-``parser``, ``cycle``, ``pipeline``, ``url``, ``headers``, ``flow``, ``connections``, ``tasks``,
-``app``, ``timeout_keep_alive_task``, the parser callbacks, ``_start_asgi_task``,
+``parser``, ``cycle``, ``url``, ``headers``, ``server_state``, ``connections``, ``tasks``, ``app``,
+``timeout_keep_alive_task``, the parser callbacks, ``_start_asgi_task``,
 ``on_response_complete``, ``send_400_response``, ``shutdown``, and ``RequestResponseCycle``'s
 ``transport`` (only ``write``, ``close`` and ``is_closing`` called on it), ``response_complete``,
 ``more_body`` and ``keep_alive``); an upgrade that changes them touches this file only.
