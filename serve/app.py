@@ -41,7 +41,7 @@ from lab.quantize import WeightDtype
 from lab.threads import allowed_cores, yield_while_waiting
 from lab.weights import locate
 from serve import http_front, openai_compat
-from serve.connections import DeadlineH11Protocol
+from serve.connections import DeadlineProtocol
 from serve.litserve_adapter import LitServePool
 from serve.metrics import Metrics
 from serve.schema import ModelLimits, missing_lens, missing_ranking
@@ -281,17 +281,16 @@ def serve(config: ServeConfig, model_factory: ModelFactory | None = None) -> Non
                 port=config.port,
                 log_level=config.log_level,
                 timeout_graceful_shutdown=config.drain_timeout,
-                # h11, not httptools: httptools takes headers of any size, h11 answers 400 once the
-                # request line and headers pass this many bytes; with a deadline on every connection
-                # (uvicorn has none for a request's arrival) and the connection limit answered in the
-                # API's own shape (serve.connections).
+                # uvicorn's httptools protocol with a deadline on every connection (uvicorn has
+                # none for a request's arrival), a bound on the headers (httptools has none) and
+                # the connection limit answered in the API's own shape (serve.connections).
                 http=functools.partial(
-                    DeadlineH11Protocol,
+                    DeadlineProtocol,
                     read_timeout=config.read_timeout,
+                    max_header_bytes=MAX_HEADER_BYTES,
                     max_connections=config.max_connections,
                     overloaded=overloaded,
                 ),
-                h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                 timeout_keep_alive=config.keep_alive_timeout,
                 backlog=config.backlog,
             )

@@ -101,7 +101,7 @@ class ApiKeyMiddleware(key_rule.ApiKeyMiddleware):
 
 
 def _content_length(scope: Scope) -> int | None:
-    """The request's Content-Length as a number (None: absent; h11 has refused a malformed one)."""
+    """The request's Content-Length as a number (None: absent; httptools has refused a malformed one)."""
     for name, value in scope["headers"]:
         if name == b"content-length":
             return int(value)

@@ -108,12 +108,13 @@ class LitServePool:
         self.count = len(self.server._inference_workers_config_for_api(API_PATH))
         if self.count > SharedState.MAX_WORKERS:
             raise ValueError(f"{self.count} workers: at most {SharedState.MAX_WORKERS} are supported")
-        self.board = Switchboard(len(self.shared.cancelled), queue_timeout, self.shared.cancelled.__setitem__)
+        cancel, taken = self.shared.cancelled.__setitem__, self.shared.was_taken
+        self.board = Switchboard(len(self.shared.cancelled), queue_timeout, cancel, taken)
         self.workers = []
         self.links: list[Link | None] = [None] * self.count  # each worker's newest, connected or not
         self.live: dict[int, Link] = {}  # index -> link, connected and its worker alive (event loop's)
-        self.placed: dict[int, tuple[int, Order | None]] = {}
-        """ticket -> the index of the worker it was sent to, and its order until that worker takes it."""
+        self.placed: dict[int, tuple[int, Order]] = {}
+        """ticket -> the index of the worker its order was sent to, and the order."""
         self.backlog: deque[Order] = deque()  # orders sent while no worker was live
         self.loop: asyncio.AbstractEventLoop | None = None
         self.lock = threading.Lock()  # between the monitor's replacements and ``running``'s start
@@ -148,7 +149,7 @@ class LitServePool:
         link = Link()
         self.api.ends = link.worker_ends  # pickled into the process as it starts
         process = self.server.launch_single_inference_worker(self.api, index)
-        link.spawned(process.pid)
+        link.spawned()
         with self.lock:
             self.links[index] = link
             if self.loop is not None:
@@ -207,19 +208,12 @@ class LitServePool:
         the backlog goes out."""
         if self.links[index] is not link or self.stopping:
             return
-        await link.connect(lambda message: self._received(index, message), lambda: self._ended(index, link))
+        await link.connect(lambda message: self.board.route(*message), lambda: self._ended(index, link))
         self.live[index] = link
         while self.backlog:
             order = self.backlog.popleft()
             if order.ticket in self.board.channels:  # not closed while it waited
                 self._dispatch(order)
-
-    def _received(self, index: int, message: tuple) -> None:
-        """A worker's message (``serve.worker``): it took a job or sent an event."""
-        kind, ticket, _ = message
-        if kind == "started" and ticket in self.placed:
-            self.placed[ticket] = (index, None)
-        self.board.route(*message)
 
     def _ended(self, index: int, link: Link) -> None:
         """Worker ``index``'s pipe ended, after all it sent: it died. Its jobs fail with 503 and the
@@ -229,12 +223,11 @@ class LitServePool:
             del self.live[index]
         if self.stopping:
             return
-        self.board.route("died", 0, link.pid)
-        untaken = [order for held_by, order in self.placed.values() if held_by == index and order is not None]
-        for order in untaken:
+        sent = [order for held_by, order in self.placed.values() if held_by == index]
+        for order in sent:
             del self.placed[order.ticket]
-            if order.ticket in self.board.channels:
-                self._dispatch(order)
+        for order in self.board.worker_died(sent):
+            self._dispatch(order)
 
     def ready(self) -> bool:
         states = dict(self.server.workers_setup_status)

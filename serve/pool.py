@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from functools import partial
 from typing import Protocol
 
 from serve.schema import Job, ModelLimits, error_event
@@ -43,27 +44,25 @@ class PoolFull(Exception):
 class Channel:
     """One submitted job's events, in order, as they arrive (see the module docstring).
 
-    The pool calls ``taken`` and ``deliver`` (in the event loop's thread); the HTTP side reads
-    ``next_event``, may ``interrupt`` it, and calls ``close`` once, when it is done with the job.
+    The pool calls ``deliver`` (in the event loop's thread); the HTTP side reads ``next_event``, may
+    ``interrupt`` it, and calls ``close`` once, when it is done with the job. ``taken()``: whether a
+    worker has taken the job (read when it matters, never announced: its queue limit is over, which a
+    wait finds when it wakes at it).
     """
 
-    def __init__(self, job: Job, queue_timeout: float, on_close: Callable[[], None]):
+    def __init__(
+        self, job: Job, queue_timeout: float, on_close: Callable[[], None], taken: Callable[[], bool]
+    ):
         self.job = job
         self.queue_timeout = queue_timeout
         self.on_close = on_close
-        self.worker: int | None = None
-        """The pid of the worker process that took the job, once one has."""
+        self.taken = taken
         self.finished = False
         """The worker is done with the job: its done or error event arrived."""
         self.closed = False
         self._events: deque[dict] = deque()
         self._interruption: dict | None = None
         self._waiter: asyncio.Future | None = None  # what ``next_event`` awaits, while it waits
-
-    def taken(self, worker: int) -> None:
-        """A worker took the job. Its queue limit is over, which a wait finds when it wakes at it: no
-        need to wake it now."""
-        self.worker = worker
 
     def deliver(self, event: dict) -> None:
         if self.finished:  # a worker's message after the job's end (its death was told first)
@@ -90,7 +89,7 @@ class Channel:
             if self._interruption is not None:
                 return self._interruption
             now = time.monotonic()
-            queue_limit = self.job.submitted_at + self.queue_timeout if self.worker is None else math.inf
+            queue_limit = math.inf if self.taken() else self.job.submitted_at + self.queue_timeout
             hard_limit = self.job.deadline + TIMEOUT_GRACE_S
             if now > queue_limit:
                 return error_event(
@@ -121,15 +120,23 @@ class Channel:
 
 class Switchboard:
     """A pool's bookkeeping on the HTTP side: a slot, a ticket and a channel per job in flight, and
-    the workers' messages routed to the channels (``serve.worker`` says what they are).
+    the workers' events routed to the channels (``serve.worker`` says what they are).
 
-    ``cancel(slot, ticket)`` tells the workers that the job holding ``slot`` is cancelled.
+    ``cancel(slot, ticket)`` tells the workers that the job holding ``slot`` is cancelled;
+    ``taken(slot, ticket)`` says whether a worker has taken it (``serve.shared.SharedState``'s).
     """
 
-    def __init__(self, slots: int, queue_timeout: float, cancel: Callable[[int, int], None]):
+    def __init__(
+        self,
+        slots: int,
+        queue_timeout: float,
+        cancel: Callable[[int, int], None],
+        taken: Callable[[int, int], bool],
+    ):
         self.slots = slots
         self.queue_timeout = queue_timeout
         self.cancel = cancel
+        self.taken = taken
         # least recently freed first, so a cancelled job's slot is reused as late as possible
         self.free_slots = deque(range(slots))
         self.channels: dict[int, Channel] = {}
@@ -142,7 +149,8 @@ class Switchboard:
             raise PoolFull(f"{self.slots} requests in flight, the most this server takes")
         self.tickets += 1
         ticket, slot = self.tickets, self.free_slots.popleft()
-        channel = Channel(job, self.queue_timeout, lambda: self._closed(ticket))
+        taken = partial(self.taken, slot, ticket)
+        channel = Channel(job, self.queue_timeout, lambda: self._closed(ticket), taken)
         self.channels[ticket], self.slot_of[ticket] = channel, slot
         return Order(ticket, slot, job), channel
 
@@ -152,27 +160,32 @@ class Switchboard:
             self.cancel(slot, ticket)
         self.free_slots.append(slot)
 
-    def route(self, kind: str, ticket: int, payload) -> None:
-        """A worker's message, in the event loop's thread: it took a job, sent an event, or died."""
-        if kind == "died":
-            for channel in self.channels.values():
-                if channel.worker == payload:
-                    channel.deliver(error_event(503, WORKER_DIED))
-            return
+    def route(self, ticket: int, event: dict) -> None:
+        """A worker's event for job ``ticket``, in the event loop's thread."""
         channel = self.channels.get(ticket)
-        if channel is None:  # closed already: its client is gone
-            return
-        if kind == "started":
-            channel.taken(payload)
-        else:
-            channel.deliver(payload)
+        if channel is not None:  # else closed already: its client is gone
+            channel.deliver(event)
+
+    def worker_died(self, orders: list[Order]) -> list[Order]:
+        """The worker ``orders`` were sent to died (after all it sent): the jobs it took fail with
+        503; those it had not taken and still open, returned, go to another worker."""
+        untaken = []
+        for order in orders:
+            channel = self.channels.get(order.ticket)
+            if channel is None:
+                continue
+            if channel.taken():
+                channel.deliver(error_event(503, WORKER_DIED))
+            else:
+                untaken.append(order)
+        return untaken
 
     def in_flight(self) -> int:
         return len(self.channels)
 
     def running(self) -> int:
         """Jobs a worker has taken and not finished (the rest of those in flight wait for one)."""
-        return sum(channel.worker is not None and not channel.finished for channel in self.channels.values())
+        return sum(channel.taken() and not channel.finished for channel in self.channels.values())
 
 
 class WorkerPool(Protocol):

@@ -20,9 +20,12 @@ class SharedState:
     ``model``: the served model's n_layer, block_size, vocab_size, parameter count and whether it has
     an exit probe and a tuned lens, written by the first worker to finish ``setup`` (n_layer last:
     nonzero means ready). ``cancelled``: one cell per in-flight slot; the pool writes a request's
-    ticket there when it is cancelled, and the worker stops that job. ``counters``: a row of
-    ``engine.COUNTERS`` per worker, written only by that worker (no lock, which a worker killed while
-    holding it would leave locked); a replaced worker continues its predecessor's row.
+    ticket there when it is cancelled, and the worker stops that job. ``taken``: one cell per slot
+    too; a worker writes a job's ticket there as it takes the job, before anything else it does with
+    it, so the HTTP side knows which jobs a worker holds without a message (which would wake it).
+    ``counters``: a row of ``engine.COUNTERS`` per worker, written only by that worker (no lock,
+    which a worker killed while holding it would leave locked); a replaced worker continues its
+    predecessor's row.
     """
 
     MAX_WORKERS = 64
@@ -31,12 +34,22 @@ class SharedState:
         context = mp.get_context("spawn")
         self.model = context.RawArray(ctypes.c_int64, 7)
         self.cancelled = context.RawArray(ctypes.c_int64, slots)
+        self.taken = context.RawArray(ctypes.c_int64, slots)
         self.counters = context.RawArray(ctypes.c_int64, self.MAX_WORKERS * len(COUNTERS))
 
     def cancellation(self, slot: int, ticket: int) -> Callable[[], bool]:
         """The check of whether the job ``ticket`` holding ``slot`` was cancelled (the engine asks it)."""
         cells = self.cancelled
         return lambda: cells[slot] == ticket
+
+    def take(self, slot: int, ticket: int) -> None:
+        """A worker took the job ``ticket`` holding ``slot``."""
+        self.taken[slot] = ticket
+
+    def was_taken(self, slot: int, ticket: int) -> bool:
+        """Whether a worker took the job ``ticket`` holding ``slot`` (a later job in the slot starts
+        untaken: the cell holds an earlier ticket)."""
+        return self.taken[slot] == ticket
 
     def tally(self, worker_id: int) -> Tally:
         """The engine's ``Tally`` for worker ``worker_id``: adds to that worker's row of counters."""

@@ -2,7 +2,7 @@
 
     link = Link()                        # on the HTTP side, before the worker starts
     worker_ends = link.worker_ends       # travels to the worker process (pickled with its arguments)
-    link.spawned(pid)                    # once it has started
+    link.spawned()                       # once it has started
     await link.connect(on_message, on_end)   # in the event loop: messages in, orders out
     link.send(order)
 
@@ -118,15 +118,13 @@ class Link:
         orders_in, orders_out = context.Pipe(duplex=False)
         events_in, events_out = context.Pipe(duplex=False)
         self.worker_ends = WorkerEnds(orders_in, events_out)
-        self.pid: int | None = None
         self._orders, self._events = orders_out, events_in
         self._writer: asyncio.WriteTransport | None = None
         self._reader: asyncio.ReadTransport | None = None
 
-    def spawned(self, pid: int) -> None:
-        """The worker ``pid`` holds its ends now: close this process's copies (else the worker's
-        death would never show as the end of its pipe)."""
-        self.pid = pid
+    def spawned(self) -> None:
+        """The worker holds its ends now: close this process's copies (else the worker's death would
+        never show as the end of its pipe)."""
         self.worker_ends.close()
 
     async def connect(self, on_message: Callable[[tuple], None], on_end: Callable[[], None]) -> None:

@@ -10,16 +10,16 @@ and otherwise, between any two ticks of the engine, admits whatever has arrived 
 here re-validates them.
 
 The loop talks through two queues and knows nothing of LitServe: ``inbox.get()`` gives ``Order``s
-(None: finish what is held, then stop), and it puts onto ``outbox`` the message
-``("started", ticket, pid)`` when it takes an order and ``("event", ticket, event)`` for each of the
-order's events (``serve.engine``'s dicts).
+(None: finish what is held, then stop), and it puts onto ``outbox`` the message ``(ticket, event)``
+for each of the order's events (``serve.engine``'s dicts). That it took an order it says in
+``serve.shared.SharedState.taken``, not in a message: the HTTP side reads it when it needs it (a
+queue timeout, this worker's death, the running count), and is not woken for it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import signal
 import sys
 import time
@@ -156,26 +156,26 @@ class Worker:
             try:
                 for events in engine.tick_parts():  # each part's events leave at once
                     for ticket, event in events:
-                        outbox.put(("event", ticket, event))
+                        outbox.put((ticket, event))
             except Exception as error:  # a bug outside the engine's per-row handling: fail what it holds
                 logger.exception("engine tick failed")
                 for ticket, event in engine.abort(error):
-                    outbox.put(("event", ticket, event))
+                    outbox.put((ticket, event))
 
     def _admit(self, order: Order | None, outbox) -> bool:
         """Take ``order`` into the engine (an error event if it cannot run); False: it is None."""
         if order is None:
             return False
-        outbox.put(("started", order.ticket, os.getpid()))
+        self.shared.take(order.slot, order.ticket)
         waited = time.monotonic() - order.job.submitted_at
         if waited > self.queue_timeout:
             message = f"waited more than {self.queue_timeout:g} s in the queue"
-            outbox.put(("event", order.ticket, error_event(504, message)))
+            outbox.put((order.ticket, error_event(504, message)))
             return True
         ticket = order.ticket
         try:
             self.engine.add(ticket, order.job, cancelled=self.shared.cancellation(order.slot, ticket))
         except Exception as error:  # a job the engine cannot hold fails alone, the loop goes on
             logger.exception("engine.add failed")
-            outbox.put(("event", ticket, error_event(500, f"{type(error).__name__}: {error}")))
+            outbox.put((ticket, error_event(500, f"{type(error).__name__}: {error}")))
         return True

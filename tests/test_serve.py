@@ -121,8 +121,8 @@ def test_oversized_headers_get_400_and_the_server_keeps_serving(server, client):
     with httpx.Client(base_url=server.url, headers=HEADERS) as new_connection:
         for sender in (new_connection, client):  # a connection's first request, and a reused one's
             response = sender.post("/predict", json={"prompt": PROMPT}, headers=padding)
-            # h11 stops reading past 32 kB, so the header is never buffered whole; the server reads and
-            # drops the rest while the client sends it, or closing would reset the 400 away
+            # parsing stops past 32 kB (serve.connections), so the header is never held whole; the server
+            # reads and drops the rest while the client sends it, or closing would reset the 400 away
             assert response.status_code == 400
     assert predict(client, prompt=PROMPT, max_new_tokens=1)["finish_reason"] == "length"
 

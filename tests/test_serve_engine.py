@@ -474,8 +474,9 @@ def test_a_draft_vocabulary_is_refused_by_a_lens_without_a_ranking():
 
 
 def test_the_worker_runs_resolved_jobs_from_its_inbox():
-    """``Worker.serve`` through plain queues, as the pool feeds it: orders in, a started message and
-    the events out; a cancelled order ends without an event, one that waited too long gets 504."""
+    """``Worker.serve`` through plain queues, as the pool feeds it: orders in, each marked taken in
+    its slot's cell, and the events out; a cancelled order ends without an event, one that waited too
+    long gets 504."""
     import queue
 
     shared = SharedState(slots=4)
@@ -492,8 +493,9 @@ def test_the_worker_runs_resolved_jobs_from_its_inbox():
         inbox.put(order)
     worker.serve(inbox, outbox, worker_id=0)  # returns at the None
     messages = [outbox.get_nowait() for _ in range(outbox.qsize())]
-    assert [ticket for kind, ticket, _ in messages if kind == "started"] == [1, 2, 3]
-    events = {ticket: payload for kind, ticket, payload in messages if kind == "event"}
+    taken = [shared.was_taken(slot, ticket) for slot, ticket in ((0, 1), (1, 2), (2, 3), (3, 4))]
+    assert taken == [True, True, True, False]  # no order held slot 3
+    events = dict(messages)
     assert set(events) == {1, 2}  # the cancelled one sent nothing
     assert events[1]["event"] == "done" and events[1]["response"]["block_set"] == spec
     assert set(events[1]["response"]["blocks_per_token"]) == {N_LAYER}  # the probe is never sure

@@ -14,6 +14,8 @@ import time
 import httpx
 import pytest
 
+from serve.app import MAX_HEADER_BYTES
+from serve.connections import LINGER_S
 from serve.process import ServerProcess
 from tests.tiny import TinyModel
 
@@ -350,3 +352,100 @@ def test_shutdown_drains_whole_requests_and_does_not_wait_on_stalled_ones():
     assert returncode == 0
     assert result["response"].status_code == 200 and len(result["response"].json()["tokens"]) == 30
     assert stopped_after < 15, f"shutdown took {stopped_after:.1f} s: it waited on a stalled connection"
+
+
+# -- The request line and headers: bounded (httptools, the parser, has no bound of its own) ---------
+
+
+def get_health_with_headers(size: int) -> bytes:
+    """A GET /health whose request line and headers take ``size`` bytes."""
+    head = GET_HEALTH[: -len(b"\r\n")]
+    padding = b"X-Padding: \r\n"
+    return head + padding[:-2] + b"a" * (size - len(head) - len(padding) - 2) + b"\r\n\r\n"
+
+
+def test_headers_just_under_the_bound_are_served_alone_and_pipelined(server):
+    """A request's line and headers of the bound less a byte pass, also behind another request in
+    the same send, where the reads the server counts hold the end of the one before."""
+    under = get_health_with_headers(MAX_HEADER_BYTES - 1)
+    assert len(under) == MAX_HEADER_BYTES - 1
+    sock = connect(server)
+    try:
+        sock.sendall(under)
+        assert read_responses(sock, 1) == [200]
+        sock.sendall(under + under + under)
+        assert read_responses(sock, 3) == [200, 200, 200]
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["alone", "behind-a-request"])
+def test_headers_past_the_bound_sent_at_once_get_400_and_a_lingering_close(server, pipelined):
+    """Whole headers a byte past the bound, in one send (so parsed whole, counted as parsed): 400,
+    after the answer to the request before it, and the connection closed; new requests are served."""
+    over = get_health_with_headers(MAX_HEADER_BYTES + 1)
+    sock = connect(server)
+    try:
+        sock.sendall(GET_HEALTH + over if pipelined else over)
+        statuses = read_responses(sock, 2 if pipelined else 1)
+        closed = closed_within(sock, LINGER_S + SLACK)
+    finally:
+        sock.close()
+    assert statuses == [200, 400] if pipelined else [400]
+    assert closed is not None
+    assert normal_requests_while(lambda: False, server)
+
+
+def test_headers_that_never_end_are_refused_once_past_the_bound_not_at_the_read_timeout(server):
+    """Headers sent a kilobyte at a time past the bound, never finished: 400 as the bound is passed
+    (counted from the reads as they come), not a close at the read timeout (which answers nothing)."""
+    sock = connect(server)
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nX-Padding: ")
+        for _ in range(3 * MAX_HEADER_BYTES // 1024):  # what follows the 400 is read and dropped
+            sock.sendall(b"a" * 1024)
+            time.sleep(0.001)
+        sock.settimeout(READ_TIMEOUT)
+        answer = sock.recv(65536)
+    finally:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:100]
+    assert str(MAX_HEADER_BYTES).encode() in answer
+
+
+def test_garbage_behind_a_stream_is_answered_400_once_the_stream_is_whole(server):
+    """A request that cannot be parsed, sent while a stream is answered: the stream ends whole, then
+    the 400, then the connection closes."""
+    sock = connect(server)
+    try:
+        sock.sendall(STREAMING_POST)
+        assert sock.recv(12).startswith(b"HTTP/1.1 200")
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        reader = sock.makefile("rb")
+        lines = []
+        while (line := reader.readline()) not in (b"0\r\n", b""):  # to the stream's last chunk
+            lines.append(line)
+        reader.readline()
+        after = reader.read()  # to the end: the 400 and the close
+    finally:
+        sock.close()
+    events = [json.loads(line) for line in lines if line.startswith(b"{")]
+    assert events[-1]["event"] == "done"
+    assert after.startswith(b"HTTP/1.1 400"), after[:100]
+
+
+def test_blank_lines_do_not_hold_a_connection_open(server):
+    """Blank lines (which begin no request) sent more often than the keep-alive timeout: closed
+    within the read timeout of the first, as any request that does not arrive."""
+    sock = connect(server)
+    stop = threading.Event()
+    sender = threading.Thread(target=trickle, args=(sock, b"\r\n" * 100, stop, KEEP_ALIVE / 4))
+    try:
+        sender.start()
+        closing = Closing(sock, time.monotonic() + KEEP_ALIVE / 4)
+        closed_after = closing.after()
+    finally:
+        stop.set()
+        sender.join()
+        sock.close()
+    assert closed_after >= READ_TIMEOUT - 0.2

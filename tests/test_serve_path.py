@@ -33,9 +33,9 @@ class ThreadPool:
 
     def __init__(self, worker: Worker, queue_timeout: float = 30.0):
         self.worker = worker
-        self.board = Switchboard(
-            len(worker.shared.cancelled), queue_timeout, worker.shared.cancelled.__setitem__
-        )
+        shared = worker.shared
+        cancel, taken = shared.cancelled.__setitem__, shared.was_taken
+        self.board = Switchboard(len(shared.cancelled), queue_timeout, cancel, taken)
         self.inbox: queue.Queue = queue.Queue()
         self.orders: list[Order] = []
 
@@ -46,7 +46,7 @@ class ThreadPool:
     async def running(self):
         loop = asyncio.get_running_loop()
 
-        class Outbox:  # the worker's messages, handed to the event loop as the adapter's reader does
+        class Outbox:  # the worker's events, handed to the event loop as the adapter's reader does
             def put(self, message) -> None:
                 loop.call_soon_threadsafe(board.route, *message)
 
@@ -182,42 +182,52 @@ def job_at(submitted_at: float, timeout: float = 60.0) -> Job:
 
 def test_the_switchboard_routes_messages_and_cancels_only_unfinished_jobs():
     async def scenario() -> None:
-        cancelled = []
+        cancelled, taken = [], set()  # taken: what the workers' cells say (slot, ticket)
         board = Switchboard(
-            2, queue_timeout=60.0, cancel=lambda slot, ticket: cancelled.append((slot, ticket))
+            2,
+            queue_timeout=60.0,
+            cancel=lambda slot, ticket: cancelled.append((slot, ticket)),
+            taken=lambda slot, ticket: (slot, ticket) in taken,
         )
         now = time.monotonic()
         (first, a), (second, b) = board.open(job_at(now)), board.open(job_at(now))
         with pytest.raises(PoolFull, match="2 requests in flight"):
             board.open(job_at(now))
-        board.route("started", first.ticket, 111)
-        board.route("event", first.ticket, {"event": "token", "index": 0})
-        board.route("started", second.ticket, 222)
-        board.route("died", 0, 222)  # the worker holding the second job
+        taken.add((first.slot, first.ticket))
+        board.route(first.ticket, {"event": "token", "index": 0})
+        assert (board.running(), board.in_flight()) == (1, 2)
+        taken.add((second.slot, second.ticket))
+        assert board.worker_died([second]) == []  # the worker holding the second job: nothing to resend
         assert (await a.next_event())["event"] == "token"
         died = await b.next_event()
         assert died["status"] == 503 and "died" in died["message"]
-        board.route("event", second.ticket, {"event": "done"})  # after its end: dropped
+        board.route(second.ticket, {"event": "done"})  # after its end: dropped
         b.close()
         a.close()  # not finished: cancelled
         assert cancelled == [(first.slot, first.ticket)] and board.in_flight() == 0
-        board.route("event", first.ticket, {"event": "done"})  # closed already: dropped
-        third, _ = board.open(job_at(now))
+        board.route(first.ticket, {"event": "done"})  # closed already: dropped
+        third, c = board.open(job_at(now))
         assert third.slot == second.slot  # the least recently freed slot first
+        assert board.running() == 0  # the slot's cell holds an earlier ticket: not taken
+        assert board.worker_died([third, first]) == [third]  # not taken: for another worker; first: closed
+        assert not c.finished
 
     asyncio.run(scenario())
 
 
 def test_a_channel_answers_504_past_the_queue_timeout_and_past_a_stuck_step():
     async def scenario() -> None:
-        board = Switchboard(2, queue_timeout=0.2, cancel=lambda slot, ticket: None)
+        taken = set()
+        board = Switchboard(
+            2, queue_timeout=0.2, cancel=lambda slot, ticket: None, taken=lambda *cell: cell in taken
+        )
         _, waiting = board.open(job_at(time.monotonic()))
         started = time.monotonic()
         event = await waiting.next_event()  # no worker takes it
         assert event["status"] == 504 and "queue timeout" in event["message"]
         assert 0.2 <= time.monotonic() - started < 2 and not waiting.finished
         order, stuck = board.open(job_at(time.monotonic() - 60, timeout=60 - TIMEOUT_GRACE_S - 0.2))
-        board.route("started", order.ticket, 1)  # taken: the queue timeout no longer applies
+        taken.add((order.slot, order.ticket))  # taken: the queue timeout no longer applies
         event = await stuck.next_event()
         assert event["status"] == 504 and "stuck in a step" in event["message"]
 
