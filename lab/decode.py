@@ -40,7 +40,8 @@ from lab.blocks import BlockSet
 from lab.errors import UserError
 from lab.exit_probe import check_fits
 from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
-from lab.model import GPT, ROWS_ALONE, Block, KVCache, Linear, extend_cache
+from lab.model import GPT, Block, KVCache, Linear, extend_cache
+from lab.rows import ROWS_ALONE
 
 
 def stability(read_now: torch.Tensor, read_before: torch.Tensor) -> torch.Tensor:
@@ -175,7 +176,7 @@ def decode_rows(
     passes, and its deeper blocks get this position's keys and values from its exit state
     (``propagate_kv``); a ``lens=tuned`` row that left early is read out through the translator of
     its last block (``lab.lens.translator.translate_exits``: one D x D product, at the read-out only).
-    Under ``lab.model.rows_alone`` a row's logits are bit for bit those it gets alone. A row whose
+    Under ``lab.rows.rows_alone`` a row's logits are bit for bit those it gets alone. A row whose
     decoder has a fast step (``lab.fast``) takes it, alone, when it is the only row or under
     ``rows_alone``; the others run together here.
     """

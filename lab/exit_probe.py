@@ -43,7 +43,7 @@ class ExitProbe:
         """read: ln_f of the stream after ``block``, [..., D] -> probability [...]. Computed in fp32
         on the read's device (the probe is not a module of the model: ``model.to`` does not move it).
         A product and a sum per row rather than a matrix-vector product: each row's value is the same
-        whatever rows share the call (batch invariance, ``lab.model.rows_alone``)."""
+        whatever rows share the call (batch invariance, ``lab.rows.rows_alone``)."""
         weight, bias = self.weight[block].to(read.device), self.bias[block].to(read.device)
         return torch.sigmoid((read.float() * weight).sum(-1) + bias)
 

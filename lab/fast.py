@@ -25,7 +25,7 @@ their combinations; each combination is its own graph), and on the CPU self-spec
 round length). What falls back to the eager step, saying so once (``FastDecode.fallbacks`` counts
 it): adaptive exit (it decides after each block, on the host), self-speculation under CUDA graphs,
 any step while a hook is registered (``lab.hooks``: the hooks see the eager step's tensors), and
-steps of many rows without ``lab.model.rows_alone`` (one batched product reads the weights once;
+steps of many rows without ``lab.rows.rows_alone`` (one batched product reads the weights once;
 under ``rows_alone`` each row takes its own fast step, which is batch-invariant by construction). The
 fast step's logits equal the eager step's up to rounding (tests/test_fast.py).
 """

@@ -108,7 +108,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         *lead, d_in = x.shape
         # [N, Din]: the kernels need it dense. They compute each row alone, the same arithmetic
-        # whatever N is, so they are batch-invariant as they are (lab.model.rows_alone needs nothing
+        # whatever N is, so they are batch-invariant as they are (lab.rows.rows_alone needs nothing
         # here; tests/test_serve_engine.py checks it bit for bit).
         x2d = x.reshape(-1, d_in).to(torch.bfloat16).contiguous()
         if self.bits == 8:

@@ -88,7 +88,7 @@ class ServeConfig:
     """Prompt tokens prefilled per step while rows decode (one --prefill-chunk per prompt): prompts
     that arrive together start together; running rows wait for these passes."""
     batch_invariant: bool = True
-    """Each row's logits bit for bit those it gets alone (lab.model.rows_alone); off: faster
+    """Each row's logits bit for bit those it gets alone (lab.rows.rows_alone); off: faster
     matrix-matrix steps with many rows, equal up to rounding."""
     compile: bool = False
     """Decode each row through lab.fast's static-shape step (inductor on the CPU, CUDA graphs on a

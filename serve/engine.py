@@ -21,7 +21,7 @@ Each row is a ``lab.generate.Generation``: the sampler and the stopping rules (e
 ``min_tokens``, ``ignore_eos``, stop strings, the length, the deadline) are ``lab.generate``'s own,
 so a request decodes here exactly as ``lab.generate.generate`` decodes it alone.
 
-With ``batch_invariant`` (the default) the decode step runs under ``lab.model.rows_alone``: every
+With ``batch_invariant`` (the default) the decode step runs under ``lab.rows.rows_alone``: every
 row's logits are bit for bit those it gets alone, so a seeded request draws the same tokens whether
 it ran alone or among any others; prefill is per request and needs nothing more. Off, rows share
 matrix-matrix products: faster with many rows, equal up to rounding.
@@ -46,7 +46,8 @@ from lab import generate as lab_generate
 from lab import tokens
 from lab.decode import decode_rows
 from lab.generate import Generation, Step
-from lab.model import GPT, rows_alone
+from lab.model import GPT
+from lab.rows import rows_alone
 from lab.sampling import SamplingError
 from serve.schema import (
     DoneEvent,

@@ -18,7 +18,8 @@ from lab.generate import generate, score
 from lab.lens import cost, fit, home, report
 from lab.lens.data import fingerprint
 from lab.lens.translator import FILE, ReadOut, TunedLens, load_tuned_lens, save_tuned_lens
-from lab.model import GPT, rows_alone
+from lab.model import GPT
+from lab.rows import rows_alone
 from lab.weights import save_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,8 +9,9 @@ import torch
 from lab import tokens
 from lab.config import GPTConfig
 from lab.generate import generate
-from lab.model import GPT, rows_alone
+from lab.model import GPT
 from lab.quantize import WEIGHT_DTYPES, quantize
+from lab.rows import rows_alone
 from lab.token_data import widen_vocabulary
 
 SEEN = 300

@@ -25,7 +25,8 @@ from lab.blocks import BlockSet
 from lab.config import GPTConfig
 from lab.decode import Decoder, decode_rows
 from lab.lens.translator import TunedLens
-from lab.model import GPT, rows_alone
+from lab.model import GPT
+from lab.rows import rows_alone
 from serve.process import TINY
 from serve.schema import PredictResponse
 

@@ -26,14 +26,15 @@ from safetensors.torch import load_file, save_file
 
 from lab.blocks import BlockSet
 from lab.errors import UserError
-from lab.model import GPT, matmul_rows_alone, taking_rows_alone
+from lab.model import GPT
+from lab.rows import matmul_rows_alone, taking_rows_alone
 
 FILE = "tuned_lens.safetensors"
 FORMAT = "blocklab-tuned-lens"
 
 
 def _product(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x2d [N, Din] @ weight [Din, Dout] -> [N, Dout]; each row alone under ``lab.model.rows_alone``
+    """x2d [N, Din] @ weight [Din, Dout] -> [N, Dout]; each row alone under ``lab.rows.rows_alone``
     (batch invariance), and one row as a matrix-vector product, as ``lab.model.Linear`` multiplies."""
     if x2d.size(0) == 1:
         return torch.mv(weight.t(), x2d[0])[None]  # [1, Dout]
@@ -137,7 +138,7 @@ def exit_translator(lens: TunedLens | None, blocks_ran: list[int]) -> int | None
 def translate_exits(lens: TunedLens | None, x: torch.Tensor, exits: list[int | None]) -> torch.Tensor:
     """x [N, ..., D] with each row n translated by the translator of block ``exits[n]`` (None: as it
     is), for the read-out. The rows of one block share a call, whose product takes each row alone
-    under ``lab.model.rows_alone`` (``_product``); rows read out as they are cost nothing."""
+    under ``lab.rows.rows_alone`` (``_product``); rows read out as they are cost nothing."""
     for block in sorted({e for e in exits if e is not None}):
         rows = [n for n, e in enumerate(exits) if e == block]
         if len(rows) == len(exits):
