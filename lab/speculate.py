@@ -53,10 +53,10 @@ class DraftVocabulary:
     def __init__(self, model: GPT, size: int):
         lens = model.tuned_lens
         if lens is None or lens.ranking is None:
-            has = "has none" if lens is None else "was fitted before lenses recorded one"
+            lacks = "has no tuned lens" if lens is None else "has a lens fitted before lenses recorded one"
             raise UserError(
                 "blocks: vocab=N drafts over the ranking of final tokens the model's tuned lens records, "
-                f"and this model's lens {has}: fit it with `blocklab lens fit --model MODEL` (MODEL as you "
+                f"and this model {lacks}: fit one with `blocklab lens fit --model MODEL` (MODEL as you "
                 "load it), then load the model again"
             )
         weight = model.wte.weight
