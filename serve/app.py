@@ -44,7 +44,7 @@ from serve import http_front, openai_compat
 from serve.connections import DeadlineProtocol
 from serve.litserve_adapter import LitServePool
 from serve.metrics import Metrics
-from serve.schema import ModelLimits, missing_lens, missing_ranking
+from serve.schema import ModelLimits, RequestError, check_model_has
 from serve.shared import SharedState
 from serve.worker import ModelFactory, WeightsLoader, Worker
 
@@ -245,13 +245,10 @@ def _check_default_blocks(config: ServeConfig, limits: ModelLimits) -> None:
         default = BlockSet.parse(config.default_blocks, limits.n_layer)
     except ValueError as error:
         raise RuntimeError(f"--default-blocks {config.default_blocks}: {error}") from None
-    if default.adaptive_check == "probe" and not limits.exit_probe:
-        raise RuntimeError(f"--default-blocks {config.default_blocks}: check=probe needs an exit probe")
-    limits = replace(limits, model_name=config.model)
-    if default.lens == "tuned" and not limits.tuned_lens:
-        raise RuntimeError(f"--default-blocks {config.default_blocks}: {missing_lens(limits)}")
-    if default.draft_vocabulary is not None and not limits.ranking:
-        raise RuntimeError(f"--default-blocks {config.default_blocks}: {missing_ranking(limits)}")
+    try:  # what a request's block set is checked against (its probe, its lens, the lens's ranking)
+        check_model_has(default, replace(limits, model_name=config.model), in_spec=True)
+    except RequestError as error:
+        raise RuntimeError(f"--default-blocks {config.default_blocks}: {error.message}") from None
 
 
 def _interrupt(signum, frame) -> None:

@@ -196,14 +196,15 @@ def resolve_block_set(request: PredictRequest, n_layer: int, default: str | None
         raise RequestError(error.key.request, error.reason) from None
 
 
-def check_model_has(block_set: BlockSet, request: PredictRequest, limits: ModelLimits) -> None:
+def check_model_has(block_set: BlockSet, limits: ModelLimits, in_spec: bool) -> None:
     """RequestError unless the served model has what ``block_set`` reads through: the exit probe
-    (``check=probe``), the tuned lens (``lens=tuned``), the lens's ranking (``vocab=N``)."""
+    (``check=probe``), the tuned lens (``lens=tuned``), the lens's ranking (``vocab=N``). ``in_spec``:
+    the set was written as a spec (the error names ``blocks``), not in a request's own fields."""
     if block_set.adaptive_check == "probe" and not limits.exit_probe:
-        field = "blocks" if request.blocks is not None else KEYS["check"].request
+        field = "blocks" if in_spec else KEYS["check"].request
         raise RequestError(field, "check=probe needs an exit probe (lab.exit_probe); this model has none")
     if block_set.lens == "tuned" and not limits.tuned_lens:
-        field = "blocks" if request.blocks is not None else KEYS["lens"].request
+        field = "blocks" if in_spec else KEYS["lens"].request
         raise RequestError(field, missing_lens(limits))
     if block_set.draft_vocabulary is not None and not limits.ranking:
         raise RequestError("blocks", missing_ranking(limits))  # vocab=N is only ever in a spec
@@ -257,7 +258,7 @@ def resolve(
     ``needs``: what the caller will ask of the result besides the request's own fields
     (``lab.blocks.Key.cannot_serve``'s options), refused under a block set that cannot give it."""
     block_set = resolve_block_set(request, limits.n_layer, limits.default_blocks)
-    check_model_has(block_set, request, limits)
+    check_model_has(block_set, limits, in_spec=request.blocks is not None)
     for option in sorted(needs):
         refused = block_set.cannot_serve(option)
         if refused is not None:
