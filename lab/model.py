@@ -390,11 +390,11 @@ class GPT(nn.Module):
         h = self.ln_f(x)  # [B, T, D]
         sparse = self.read_rows is not None and not self.training
         table = self.read_table if sparse else self.wte.weight  # [V_read or V, D]
-        float32 = h.dtype == torch.float32 and table.dtype == torch.float32
+        columns = self.read_columns if sparse else None  # [D, V_read]: float32 tables only
         if self.read_out is not None:
             logits = self.read_out(h)  # [B, T, V_read or V]
-        elif h.numel() == h.size(-1) and sparse and self.read_columns is not None and float32:  # one position
-            logits = (h.reshape(1, -1) @ self.read_columns).view(*h.shape[:-1], -1)  # [1, 1, V_read]
+        elif h.numel() == h.size(-1) and columns is not None and columns.dtype == h.dtype == torch.float32:
+            logits = (h.reshape(1, -1) @ columns).view(*h.shape[:-1], -1)  # [1, 1, V_read]: down the columns
         elif h.numel() == h.size(-1):  # one position (decoding): a matrix-vector product, as in Linear
             logits = torch.mv(table, h.reshape(-1)).view(*h.shape[:-1], -1)  # [1, 1, V_read or V]
         elif taking_rows_alone():

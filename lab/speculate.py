@@ -44,8 +44,8 @@ class SpeculationStats:
 
 class DraftVocabulary:
     """The tokens drafts are read out over under ``vocab=N``: the first N of the model's tuned-lens
-    ranking (``TunedLens.ranking``: the tokens its final read-out most often makes the most likely
-    on the calibration text), their rows of the token table copied together. FR-Spec's draft
+    ranking (``TunedLens.ranking``: the tokens its final read-out predicts on the calibration text,
+    the most often most likely first), their rows of the token table copied together. FR-Spec's draft
     vocabulary (Zhao et al. 2025): a draft's read-out multiplies N rows instead of the whole table;
     a token outside them is never drafted, and the verification, which reads every token, keeps the
     output the full set's."""

@@ -60,8 +60,9 @@ class TunedLens:
     blocks: tuple[int, ...] = ()
     """The blocks whose translators were fitted."""
     ranking: torch.Tensor | None = None
-    """[R] token ids, each the final read-out's most likely token at some calibration position, the
-    most frequent first: the draft vocabulary of ``speculate=E;vocab=N`` (``lab.speculate``)."""
+    """[R] token ids the final read-out predicts on the calibration text: those it most often makes the
+    most likely first, then the rest by the probability it gives them (``lab.lens.fit.top1_ranking``);
+    the draft vocabulary of ``speculate=E;vocab=N`` is its first N (``lab.speculate``)."""
     metadata: dict = field(default_factory=dict)
     """What the file records: the calibration text's fingerprint, steps, held-out KL per block, ..."""
 
