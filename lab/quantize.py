@@ -11,7 +11,9 @@ use on the CPU, and this module puts them behind ``lab.model.Linear``'s interfac
 
 - int8: one symmetric scale per output row (``torch.ops.aten._weight_int8pack_mm``);
 - int4: asymmetric, a scale and a zero point per group of 64 inputs of a row (32 where 64 does not divide)
-  (``torch.ops.aten._weight_int4pack_mm_for_cpu``, weights packed two per byte).
+  (``torch.ops.aten._weight_int4pack_mm_for_cpu``, weights packed two per byte);
+- w4a8: int4's weights and groups of 64, each product's input quantized to int8 per group of 64 (one
+  scale each) and multiplied in integers (``lab.w4a8``, llama.cpp's q4_0 x q8_0 scheme; AVX2).
 
 Every ``Linear`` of the blocks becomes a ``QuantizedLinear`` and the tied unembedding gets a quantized
 copy of the token table (``GPT.read_out``); the embedding lookup keeps the bf16 table. Norms, biases,
@@ -28,11 +30,16 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
+from lab import w4a8
+from lab.errors import UserError
 from lab.model import GPT, Linear
 
-WeightDtype = Literal["float32", "bfloat16", "float16", "int8", "int4"]
-"""What ``lab.weights.load_model`` accepts: plain weights in torch's dtypes, or weight-only quantization."""
+WeightDtype = Literal["float32", "bfloat16", "float16", "int8", "int4", "w4a8"]
+"""What ``lab.weights.load_model`` accepts: plain weights in torch's dtypes, weight-only quantization
+(int8, int4), or int4 weights times activations quantized to int8 (w4a8)."""
 WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
+QUANTIZED_DTYPES = ("int8", "int4", "w4a8")
+"""The dtypes ``quantize`` makes: CPU kernels, bf16 activations between the products."""
 
 INT4_GROUP_SIZES = (64, 32)
 """Inputs sharing a scale and zero point, tried in this order (the kernel takes 32, 64, 128 or 256;
@@ -79,11 +86,16 @@ class QuantizedLinear(nn.Module):
     outputs to a multiple of 16, as its packing requires, and drops the padding from the result.
     """
 
-    def __init__(self, weight_out_in: torch.Tensor, bias: torch.Tensor | None, bits: int):
+    def __init__(
+        self, weight_out_in: torch.Tensor, bias: torch.Tensor | None, bits: int, int8_inputs: bool = False
+    ):
         super().__init__()
         if weight_out_in.device.type != "cpu":
             raise ValueError(f"int{bits} weights use torch's CPU kernels, not {weight_out_in.device}'s")
         self.bits = bits
+        self.int8_inputs = int8_inputs  # w4a8: lab.w4a8's kernel
+        if int8_inputs and (bits != 4 or weight_out_in.size(1) % w4a8.GROUP):
+            raise ValueError(f"w4a8: 4-bit weights with input widths that are multiples of {w4a8.GROUP}")
         self.out_features, self.in_features = weight_out_in.shape
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
         weight = weight_out_in.detach()
@@ -91,6 +103,12 @@ class QuantizedLinear(nn.Module):
             values, scales = quantize_rows_int8(weight)
             self.register_buffer("weight_int8", values)  # [Dout, Din]
             self.register_buffer("scales", scales.to(torch.bfloat16))  # [Dout]
+        elif int8_inputs:
+            self.group_size = w4a8.GROUP
+            packed, scales, zeros = w4a8.pack(*quantize_groups_int4(weight, self.group_size))
+            self.register_buffer("weight_w4", packed)  # [Dout, Din / 2]
+            self.register_buffer("scales", scales)  # [Dout, Din / 64]
+            self.register_buffer("zeros", zeros)  # [Dout, Din / 64]
         elif bits == 4:
             self.group_size = next((g for g in INT4_GROUP_SIZES if self.in_features % g == 0), None)
             if self.group_size is None:
@@ -111,7 +129,9 @@ class QuantizedLinear(nn.Module):
         # whatever N is, so they are batch-invariant as they are (lab.rows.rows_alone needs nothing
         # here; tests/test_serve_engine.py checks it bit for bit).
         x2d = x.reshape(-1, d_in).to(torch.bfloat16).contiguous()
-        if self.bits == 8:
+        if self.int8_inputs:
+            y = w4a8.matmul(x2d, self.weight_w4, self.scales, self.zeros).to(torch.bfloat16)  # [N, Dout]
+        elif self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2d, self.weight_int8, self.scales)  # [N, Dout]
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -123,27 +143,31 @@ class QuantizedLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int{self.bits}"
+        kind = "w4a8" if self.int8_inputs else f"int{self.bits}"
+        return f"in={self.in_features}, out={self.out_features}, {kind}"
 
 
 def quantize(model: GPT, dtype: str) -> GPT:
-    """Replace ``model``'s Linear layers and read-out with int8 or int4 ones, in place; returns it.
+    """Replace ``model``'s Linear layers and read-out with int8, int4 or w4a8 ones, in place; returns it.
 
     The rest of the model (tables, norms) becomes bf16, the activations' dtype.
     """
-    bits = {"int8": 8, "int4": 4}.get(dtype)
+    bits = {"int8": 8, "int4": 4, "w4a8": 4}.get(dtype)
     if bits is None:
-        raise ValueError(f"dtype: 'int8' or 'int4', got {dtype!r}")
+        raise ValueError(f"dtype: one of {', '.join(QUANTIZED_DTYPES)}, got {dtype!r}")
+    int8_inputs = dtype == "w4a8"
+    if int8_inputs and (reason := w4a8.unavailable()) is not None:
+        raise UserError(f"--dtype w4a8: {reason}; int4 runs everywhere")
     if model.read_out is not None:
         raise ValueError("the model is already quantized")
     model.to(torch.bfloat16)
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)]
     for name, linear in linears:
         parent_name, _, attribute = name.rpartition(".")
-        quantized = QuantizedLinear(linear.weight.t(), linear.bias, bits)  # Linear's weight is [in, out]
+        quantized = QuantizedLinear(linear.weight.t(), linear.bias, bits, int8_inputs)  # weight is [in, out]
         setattr(model.get_submodule(parent_name), attribute, quantized)
     table = model.wte.weight if model.read_rows is None else model.read_table  # [V or V_read, D]: [out, in]
-    model.read_out = QuantizedLinear(table, None, bits)  # the rows the read-out multiplies
+    model.read_out = QuantizedLinear(table, None, bits, int8_inputs)  # the rows the read-out multiplies
     return model.eval().requires_grad_(False)
 
 

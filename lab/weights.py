@@ -35,7 +35,7 @@ from lab.errors import UserError
 from lab.exit_probe import FILE as EXIT_PROBE_FILE
 from lab.exit_probe import load_exit_probe, save_exit_probe
 from lab.model import GPT
-from lab.quantize import WEIGHT_DTYPES, quantize
+from lab.quantize import QUANTIZED_DTYPES, WEIGHT_DTYPES, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -450,16 +450,17 @@ def load_model(
     """A GPT in eval mode from a spec (see the module docstring), the one loader of every command.
 
     ``dtype``: one of ``lab.quantize.WEIGHT_DTYPES`` (``float32``, ``bfloat16``, ``float16``, or
-    ``int8`` / ``int4``: weight-only quantized, CPU only), or a torch floating dtype.
+    ``int8`` / ``int4``: weight-only quantized; ``w4a8``: int4 weights times int8 activations; CPU
+    only), or a torch floating dtype.
     ``attention``: 'eager' | 'sdpa' override. The model's tuned lens, where one was fitted to it
     (``lab.lens.home``), comes with it as ``model.tuned_lens``.
     """
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
     if name not in WEIGHT_DTYPES:
         raise UserError(f"dtype: one of {', '.join(WEIGHT_DTYPES)}; got {dtype!r}")
-    quantized = name in ("int8", "int4")
+    quantized = name in QUANTIZED_DTYPES
     if quantized and torch.device(device).type != "cpu":
-        raise UserError(f"dtype {name}: weight-only quantization runs on the CPU, not {device}")
+        raise UserError(f"dtype {name} runs on the CPU, not {device}")
     # quantized weights are made from bf16 ones, the activations' dtype
     model = _load(spec, torch.bfloat16 if quantized else getattr(torch, name), device, attention)
     model = quantize(model, name) if quantized else model

@@ -58,7 +58,7 @@ def run_json(name: str, command: list[str], json_path: Path | None = None) -> di
 def decode_rows(decode: dict) -> list[tuple[str, str, str]]:
     ms = decode["ms_per_token"]
     rows = []
-    for dtype in ("float32", "bfloat16", "int8", "int4"):
+    for dtype in ("float32", "bfloat16", "int8", "int4", "w4a8"):
         rows += [
             (
                 f"decode, GPT-2 small shapes: ours {dtype} / transformers fp32",
@@ -195,14 +195,17 @@ def peer_rows(runs: dict) -> list[tuple[str, str, str]]:
     """The llama.cpp comparisons' rows, where they ran."""
     if "peers decode" not in runs:
         return []
+    from bench_llama_cpp import PAIRS  # a sibling script: scripts/ is on the path when this one runs
+
     decode, serving = runs["peers decode"]["results"], runs["peers serving"]["results"]
     ms, ratio = decode["ms_per_token"], decode["ours_over_llama_cpp"]
     rows = []
-    for kind, dtype in (("f32", "float32"), ("q8_0", "int8"), ("q4_0", "int4")):
+    for kind, dtype in PAIRS:
         pair = f"{ms[f'ours {dtype}']['median']:.1f} vs {ms[f'llama.cpp {kind}']['median']:.1f}"
+        key = f"{dtype} / {kind}"
         rows.append((
-            f"peers, batch 1, {decode['threads']} threads: ours {dtype} / llama.cpp {kind}; compiled",
-            f"{ratio[kind]:.2f} ({pair}); {ratio[kind + ' compiled']:.2f}",
+            f"peers, batch 1, {decode['threads']} threads: ours {key}; compiled",
+            f"{ratio[key]:.2f} ({pair}); {ratio[key + ' compiled']:.2f}",
             "<= 1.0",
         ))  # fmt: skip
     ours, theirs = serving["servers"]["blocklab int4"], serving["servers"]["llama-server q4_0"]

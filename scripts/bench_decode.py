@@ -9,8 +9,8 @@ round (each round times every configuration once; the median over rounds is repo
 shared with other jobs slows all of them alike. Reports:
 
 - ms/token of greedy decoding after a prompt (prefill excluded) for GPT-2 small shapes (``gpt2-random``):
-  ``transformers.GPT2LMHeadModel`` fp32 (same weights, its own KV cache), and ours with fp32, bf16, and
-  weight-only int8 and int4 weights (``lab.quantize``);
+  ``transformers.GPT2LMHeadModel`` fp32 (same weights, its own KV cache), and ours with fp32, bf16,
+  weight-only int8 and int4 weights, and int4 weights times int8 activations (w4a8; ``lab.quantize``);
 - the bandwidth bound: the weight bytes one token reads / the best read bandwidth measured here on a
   buffer of the same size, read again and again as decoding does (where the last-level cache is about
   as large as the weights, that is the cache's bandwidth more than the memory's);
@@ -21,7 +21,7 @@ shared with other jobs slows all of them alike. Reports:
   never exits) and alone;
 - one position's unembedding: mv on the tied [V, D] table vs F.linear vs a transposed [D, V] copy;
 - on each builtin model (if created: ``builtin``, ``builtin-early-exit``), on held-out standard-library
-  files: the loss change of bf16, int8 and int4 weights, and loss vs mean blocks per token under
+  files: the loss change of bf16, int8, int4 and w4a8, and loss vs mean blocks per token under
   adaptive exit and fixed early exits (``--quality-only``: only these, no timing).
 """
 
@@ -47,7 +47,7 @@ from lab.model import GPT, Linear
 from lab.quantize import QuantizedLinear
 from lab.weights import BUILTIN_MODELS, builtin_source, load_model
 
-LOW_PRECISION = ("bfloat16", "int8", "int4")
+LOW_PRECISION = ("bfloat16", "int8", "int4", "w4a8")
 """Weights besides fp32 that decoding is measured with (lab.quantize)."""
 SKIPS = (3, 6, 9, 12)
 """Blocks skipped (the last k) in the per-block fit."""
@@ -176,7 +176,7 @@ def held_out_windows(length: int, count: int = 4) -> list[tuple[str, list[int]]]
 
 
 def builtin_quality(name: str = "builtin") -> dict | None:
-    """On a builtin model (if created), on held-out files: the loss change of bf16, int8 and int4
+    """On a builtin model (if created), on held-out files: the loss change of bf16, int8, int4, w4a8
     weights, and loss vs mean blocks per token for adaptive-exit thresholds and for fixed early exits."""
     if not (builtin_source(name) / "blocklab.json").exists():
         return None

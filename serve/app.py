@@ -37,7 +37,7 @@ from lab import api_key as key_rule
 from lab import flags
 from lab.blocks import BlockSet
 from lab.errors import UserError
-from lab.quantize import WeightDtype
+from lab.quantize import QUANTIZED_DTYPES, WeightDtype
 from lab.threads import allowed_cores, yield_while_waiting
 from lab.weights import locate
 from serve import http_front, openai_compat
@@ -133,7 +133,7 @@ class ServeConfig:
 
     def check(self) -> None:
         """UserError saying what is wrong with these settings, if anything is."""
-        if self.dtype in ("int8", "int4") and self.accelerator not in ("auto", "cpu"):
+        if self.dtype in QUANTIZED_DTYPES and self.accelerator not in ("auto", "cpu"):
             raise UserError(f"--dtype {self.dtype} runs on the CPU: use --accelerator cpu (or auto)")
         if min(self.max_batch_size, self.prefill_chunk, self.prefill_per_step) < 1:
             raise UserError("--max-batch-size, --prefill-chunk and --prefill-per-step must be at least 1")
@@ -197,7 +197,7 @@ def build(config: ServeConfig, model_factory: ModelFactory | None = None) -> Ser
         threads=config.threads,
         max_threads=max(1, len(allowed_cores()) // config.workers),
     )
-    accelerator = "cpu" if config.dtype in ("int8", "int4") else config.accelerator  # CPU kernels
+    accelerator = "cpu" if config.dtype in QUANTIZED_DTYPES else config.accelerator  # CPU kernels
     pool = LitServePool(
         worker, accelerator=accelerator, workers_per_device=config.workers, queue_timeout=config.queue_timeout
     )

@@ -1,10 +1,11 @@
-"""Weight-only int8/int4: each layer computes with the weights it claims to hold, and decoding works."""
+"""Quantized int8/int4/w4a8: each layer computes with the weights it claims to hold, and decoding works."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
+from lab import w4a8
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
 from lab.decode import Decoder
@@ -20,6 +21,11 @@ from lab.quantize import (
 )
 
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=64, vocab_size=100, block_size=32)  # 100 rows: int4 pads to 112
+
+W4A8 = pytest.param(
+    "w4a8", marks=pytest.mark.skipif(w4a8.unavailable() is not None, reason=str(w4a8.unavailable()))
+)
+QUANTIZED = ["int8", "int4", W4A8]
 
 
 def tiny_model(norm: str = "pre") -> GPT:
@@ -72,7 +78,7 @@ def test_quantized_linear_is_the_product_with_its_dequantized_weight(bits, rows)
 
 
 @pytest.mark.parametrize("norm", ["pre", "post"])
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", QUANTIZED)
 def test_quantized_model_predicts_like_the_original(dtype, norm):
     model = tiny_model(norm)
     idx = torch.randint(0, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
@@ -92,7 +98,7 @@ def test_quantized_model_predicts_like_the_original(dtype, norm):
     assert agree > (0.9 if dtype == "int8" else 0.6)
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", QUANTIZED)
 def test_quantized_decoding_cache_and_block_sets(dtype):
     model = quantize(tiny_model(), dtype)
     prompt = torch.randint(0, CFG.vocab_size, (8,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -126,7 +132,7 @@ def test_the_loader_takes_every_dtype_by_name(tmp_path):
         load_model(str(tmp_path), "int4", device="meta")
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", QUANTIZED)
 def test_propagated_keys_and_values_are_those_the_block_writes(dtype):
     """Adaptive exit fills deeper blocks' K/V from the exit state; with quantized c_attn too."""
     from lab.decode import propagate_kv
@@ -141,3 +147,49 @@ def test_propagated_keys_and_values_are_those_the_block_writes(dtype):
     assert propagated.k[2].abs().sum() > 0
     torch.testing.assert_close(propagated.k[2], ran.k[2])
     torch.testing.assert_close(propagated.v[2], ran.v[2])
+
+
+def w4a8_reference(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """What lab/kernels/w4a8.c defines, in float64: each row's groups of 64 inputs rounded to int8
+    steps of max |a| / 127, times the weights (code - 8) * scale + zero. x [M, K] -> [M, N]."""
+    m, k = x.shape
+    groups = x.double().reshape(m, k // 64, 64)  # [M, G, 64]
+    steps = groups.abs().amax(-1, keepdim=True) / 127  # [M, G, 1]
+    q = torch.where(steps > 0, torch.round(groups / steps), 0.0) * steps  # the int8 activations
+    scales, zeros = scales_and_zeros.double().transpose(0, 1).unbind(-1)  # [N, G] each
+    c = codes.double().reshape(codes.size(0), k // 64, 64) - 8  # [N, G, 64]
+    products = torch.einsum("mgi,ngi->mng", q, c) * scales  # [M, N, G]
+    return (products + groups.sum(-1)[:, None, :] * zeros).sum(-1)  # [M, N]
+
+
+@pytest.mark.skipif(w4a8.unavailable() is not None, reason=str(w4a8.unavailable()))
+@pytest.mark.parametrize("k", [64, 768])
+def test_w4a8_kernel_is_its_definition_and_rows_are_alone(k):
+    """The C kernel computes what its header says (against float64), with outputs of any count,
+    and each row's result is bit for bit the same alone or among 1 to 8 others (batch invariance)."""
+    torch.manual_seed(0)
+    weight = torch.randn(37, k) * 0.05
+    codes, scales_and_zeros = quantize_groups_int4(weight, 64)
+    packed, scales, zeros = w4a8.pack(codes, scales_and_zeros)
+    x = torch.randn(9, k)
+    x[2] = 0.0  # a row of zeros: its activation scale is 0
+    y = w4a8.matmul(x, packed, scales, zeros)
+    assert y.shape == (9, 37) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), w4a8_reference(x, codes, scales_and_zeros), rtol=1e-5, atol=1e-5)
+    assert not y[2].any()
+    for rows in (1, 3, 4, 5):
+        for start in range(0, 9 - rows + 1, 2):
+            assert torch.equal(
+                w4a8.matmul(x[start : start + rows], packed, scales, zeros), y[start : start + rows]
+            )
+
+
+@pytest.mark.skipif(w4a8.unavailable() is not None, reason=str(w4a8.unavailable()))
+def test_w4a8_compiles_as_a_custom_op():
+    """Inside torch.compile the product is ``blocklab::w4a8_mm``: eager's numbers, but for the bias
+    added before the bf16 rounding (inductor fuses the two)."""
+    torch.manual_seed(0)
+    layer = QuantizedLinear(torch.randn(48, 64), torch.randn(48), 4, int8_inputs=True)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x), atol=4e-3, rtol=1e-2)

@@ -10,7 +10,7 @@ from lab import tokens
 from lab.config import GPTConfig
 from lab.generate import generate
 from lab.model import GPT
-from lab.quantize import WEIGHT_DTYPES, quantize
+from lab.quantize import QUANTIZED_DTYPES, WEIGHT_DTYPES, quantize
 from lab.rows import rows_alone
 from lab.token_data import widen_vocabulary
 
@@ -32,7 +32,7 @@ def widened() -> tuple[GPT, torch.Tensor]:
 
 def as_dtype(model: GPT, dtype: str) -> GPT:
     model = copy.deepcopy(model)
-    if dtype in ("int8", "int4"):
+    if dtype in QUANTIZED_DTYPES:
         return quantize(model, dtype)
     return model.to(getattr(torch, dtype))
 

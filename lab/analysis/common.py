@@ -31,7 +31,7 @@ from lab.config import PRESETS, GPTConfig
 from lab.errors import UserError
 from lab.flags import Namespace, Parser
 from lab.model import GPT
-from lab.quantize import WEIGHT_DTYPES
+from lab.quantize import QUANTIZED_DTYPES, WEIGHT_DTYPES
 from lab.weights import load_model
 
 RUNS_DIR = Path("runs") / "analysis"
@@ -206,7 +206,7 @@ def in_dtype(model: GPT, dtype: str) -> GPT:
     """``model`` with its weights in ``dtype``, as ``load_model`` gives them."""
     from lab.quantize import quantize
 
-    return quantize(model, dtype) if dtype in ("int8", "int4") else model.to(getattr(torch, dtype))
+    return quantize(model, dtype) if dtype in QUANTIZED_DTYPES else model.to(getattr(torch, dtype))
 
 
 def weights(*modules: torch.nn.Module) -> int:
