@@ -7,9 +7,9 @@
 
 torch's int4 kernel (``_weight_int4pack_mm_for_cpu``) multiplies bf16 activations by dequantized
 weights in floating point; llama.cpp's q4_0 instead quantizes the activations to int8 per block
-and multiplies integers, which AVX2 does 32 at a time (``lab/kernels/w4a8.c`` says how). No
-library on the registry ships that kernel for x86 CPUs without AMX, so it is written here, in 100
-lines of C.
+and multiplies integers, which AVX2 does 32 at a time (``lab/kernels/w4a8.c`` says how). torch
+ships no such kernel for the CPU; torchao (on the registry) has int8-activation int4-weight CPU
+kernels aimed at AVX-512 and AMX, not tried here. So it is written here, in about 100 lines of C.
 
 It is compiled on first use with the system's C compiler (``cc``, about a second), into
 ``lab.weights.cache_root()/kernels``, named by a hash of its source and flags, and loaded with
