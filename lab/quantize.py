@@ -147,6 +147,12 @@ class QuantizedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {kind}"
 
 
+def require_kernels(dtype: str) -> None:
+    """UserError if ``dtype``'s kernel cannot run on this machine (w4a8 needs AVX2 and a C compiler)."""
+    if dtype == "w4a8" and (reason := w4a8.unavailable()) is not None:
+        raise UserError(f"--dtype w4a8: {reason}; int4 runs everywhere")
+
+
 def quantize(model: GPT, dtype: str) -> GPT:
     """Replace ``model``'s Linear layers and read-out with int8, int4 or w4a8 ones, in place; returns it.
 
@@ -155,9 +161,8 @@ def quantize(model: GPT, dtype: str) -> GPT:
     bits = {"int8": 8, "int4": 4, "w4a8": 4}.get(dtype)
     if bits is None:
         raise ValueError(f"dtype: one of {', '.join(QUANTIZED_DTYPES)}, got {dtype!r}")
+    require_kernels(dtype)
     int8_inputs = dtype == "w4a8"
-    if int8_inputs and (reason := w4a8.unavailable()) is not None:
-        raise UserError(f"--dtype w4a8: {reason}; int4 runs everywhere")
     if model.read_out is not None:
         raise ValueError("the model is already quantized")
     model.to(torch.bfloat16)

@@ -37,7 +37,7 @@ from lab import api_key as key_rule
 from lab import flags
 from lab.blocks import BlockSet
 from lab.errors import UserError
-from lab.quantize import QUANTIZED_DTYPES, WeightDtype
+from lab.quantize import QUANTIZED_DTYPES, WeightDtype, require_kernels
 from lab.threads import allowed_cores, yield_while_waiting
 from lab.weights import locate
 from serve import http_front, openai_compat
@@ -135,6 +135,7 @@ class ServeConfig:
         """UserError saying what is wrong with these settings, if anything is."""
         if self.dtype in QUANTIZED_DTYPES and self.accelerator not in ("auto", "cpu"):
             raise UserError(f"--dtype {self.dtype} runs on the CPU: use --accelerator cpu (or auto)")
+        require_kernels(self.dtype)  # before any worker starts: the workers would fail one by one
         if min(self.max_batch_size, self.prefill_chunk, self.prefill_per_step) < 1:
             raise UserError("--max-batch-size, --prefill-chunk and --prefill-per-step must be at least 1")
         for name in (

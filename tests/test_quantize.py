@@ -193,3 +193,15 @@ def test_w4a8_compiles_as_a_custom_op():
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(x), layer(x), atol=4e-3, rtol=1e-2)
+
+
+def test_w4a8_without_its_kernel_is_refused_saying_why(monkeypatch):
+    """Where the kernel cannot run (no AVX2, no compiler), quantizing and the server's settings say why."""
+    from serve.app import ServeConfig
+
+    monkeypatch.setattr(w4a8, "unavailable", lambda: "the W4A8 kernel needs a CPU with AVX2 and FMA")
+    with pytest.raises(ValueError, match="--dtype w4a8: the W4A8 kernel needs a CPU with AVX2.*int4 runs"):
+        quantize(tiny_model(), "w4a8")
+    with pytest.raises(ValueError, match="--dtype w4a8: the W4A8 kernel needs"):
+        ServeConfig(model="builtin", dtype="w4a8").check()
+    quantize(tiny_model(), "int4")  # the others need nothing of it
