@@ -70,12 +70,11 @@ def _library() -> ctypes.CDLL:
             subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True)
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
-    library.w4a8_mm.restype = None
+    library.w4a8_mm.restype = ctypes.c_int
     library.w4a8_mm.argtypes = [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # x, M, K
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # packed, scales, zeros, N
         ctypes.c_void_p,  # y
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # the activations' scratch
     ]  # fmt: skip
     return library
 
@@ -99,13 +98,11 @@ def _matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: 
     if k % GROUP or packed.shape != (n, k // 2) or packed.dtype != torch.uint8:
         raise ValueError(f"w4a8: x [M, K] with K a multiple of {GROUP} and packed [N, K/2] uint8")
     y = torch.empty(m, n)
-    q = torch.empty(m, k, dtype=torch.int8)
-    per_group = (m, k // GROUP)
-    a_scale, q_offset, a_sum = torch.empty(per_group), torch.empty(per_group), torch.empty(per_group)
-    _library().w4a8_mm(
-        x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
-        y.data_ptr(), q.data_ptr(), a_scale.data_ptr(), q_offset.data_ptr(), a_sum.data_ptr(),
-    )  # fmt: skip
+    status = _library().w4a8_mm(
+        x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, y.data_ptr()
+    )
+    if status != 0:
+        raise MemoryError(f"w4a8: no memory for the activations of {m} x {k}")
     return y
 
 

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define GROUP 64
 
@@ -89,11 +90,21 @@ static inline __attribute__((always_inline)) void rows_times_weights(
   }
 }
 
-/* x [M, K] float32; scratch: q [M, K] int8, a_scale / q_offset / a_sum [M, K / 64] float32; y [M, N] float32. */
-void w4a8_mm(const float *x, int64_t M, int64_t K, const uint8_t *packed, const float *scales,
-             const float *zeros, int64_t N, float *y, int8_t *q, float *a_scale, float *q_offset,
-             float *a_sum) {
+/* y [M, N] float32 = x [M, K] float32 times the packed weights [N, K / 2]. Returns 0, or -1 when
+ * the activations' scratch could not be allocated. */
+int w4a8_mm(const float *x, int64_t M, int64_t K, const uint8_t *packed, const float *scales,
+            const float *zeros, int64_t N, float *y) {
   const int64_t G = K / GROUP;
+  /* the activations, quantized: codes [M, K], and per group of 64 the scale, 8 * scale * sum of the
+   * codes, and the sum of the values [M, G] (malloc here: a tensor each from Python cost more) */
+  int8_t *q = malloc((size_t)(M * K));
+  float *a_scale = malloc(sizeof(float) * (size_t)(3 * M * G));
+  if (q == NULL || a_scale == NULL) {
+    free(q);
+    free(a_scale);
+    return -1;
+  }
+  float *q_offset = a_scale + M * G, *a_sum = a_scale + 2 * M * G;
   quantize_rows(x, M, K, q, a_scale, q_offset, a_sum);
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
@@ -106,4 +117,7 @@ void w4a8_mm(const float *x, int64_t M, int64_t K, const uint8_t *packed, const 
       case 1: rows_times_weights(1, m0, n, G, N, packed, scales, zeros, q, a_scale, q_offset, a_sum, y); break;
     }
   }
+  free(q);
+  free(a_scale);
+  return 0;
 }
