@@ -80,36 +80,36 @@ def dequantize_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torc
 
 
 class QuantizedLinear(nn.Module):
-    """y = x W + b for a weight W [in, out] given as [out, in] (``weight_out_in``), stored int8 or int4.
+    """y = x W + b for a weight W [in, out] given as [out, in] (``weight_out_in``), stored as ``kind``
+    (one of ``QUANTIZED_DTYPES``: int8, int4, or w4a8's int4 with int8 inputs).
 
     Works on rows of bf16 activations, any number of them (the prompt's prefill too). int4 pads the
     outputs to a multiple of 16, as its packing requires, and drops the padding from the result.
     """
 
-    def __init__(
-        self, weight_out_in: torch.Tensor, bias: torch.Tensor | None, bits: int, int8_inputs: bool = False
-    ):
+    def __init__(self, weight_out_in: torch.Tensor, bias: torch.Tensor | None, kind: str):
         super().__init__()
+        if kind not in QUANTIZED_DTYPES:
+            raise ValueError(f"kind: one of {', '.join(QUANTIZED_DTYPES)}, got {kind!r}")
         if weight_out_in.device.type != "cpu":
-            raise ValueError(f"int{bits} weights use torch's CPU kernels, not {weight_out_in.device}'s")
-        self.bits = bits
-        self.int8_inputs = int8_inputs  # w4a8: lab.w4a8's kernel
-        if int8_inputs and (bits != 4 or weight_out_in.size(1) % w4a8.GROUP):
-            raise ValueError(f"w4a8: 4-bit weights with input widths that are multiples of {w4a8.GROUP}")
+            raise ValueError(f"{kind} weights use CPU kernels, not {weight_out_in.device}'s")
+        if kind == "w4a8" and weight_out_in.size(1) % w4a8.GROUP:
+            raise ValueError(f"w4a8 needs input widths that are multiples of {w4a8.GROUP}")
+        self.kind = kind
         self.out_features, self.in_features = weight_out_in.shape
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
         weight = weight_out_in.detach()
-        if bits == 8:
+        if kind == "int8":
             values, scales = quantize_rows_int8(weight)
             self.register_buffer("weight_int8", values)  # [Dout, Din]
             self.register_buffer("scales", scales.to(torch.bfloat16))  # [Dout]
-        elif int8_inputs:
+        elif kind == "w4a8":
             self.group_size = w4a8.GROUP
             packed, scales, zeros = w4a8.pack(*quantize_groups_int4(weight, self.group_size))
             self.register_buffer("weight_w4", packed)  # [Dout, Din / 2]
             self.register_buffer("scales", scales)  # [Dout, Din / 64]
             self.register_buffer("zeros", zeros)  # [Dout, Din / 64]
-        elif bits == 4:
+        else:
             self.group_size = next((g for g in INT4_GROUP_SIZES if self.in_features % g == 0), None)
             if self.group_size is None:
                 raise ValueError(f"int4 needs input widths that are multiples of 32, got {self.in_features}")
@@ -120,8 +120,6 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("weight_int4", packed)
             scales_and_zeros = scales_and_zeros.to(torch.bfloat16)  # [G, Dout + pad, 2]
             self.register_buffer("scales_and_zeros", scales_and_zeros)
-        else:
-            raise ValueError(f"bits: 8 or 4, got {bits}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         *lead, d_in = x.shape
@@ -129,9 +127,9 @@ class QuantizedLinear(nn.Module):
         # whatever N is, so they are batch-invariant as they are (lab.rows.rows_alone needs nothing
         # here; tests/test_serve_engine.py checks it bit for bit).
         x2d = x.reshape(-1, d_in).to(torch.bfloat16).contiguous()
-        if self.int8_inputs:
+        if self.kind == "w4a8":
             y = w4a8.matmul(x2d, self.weight_w4, self.scales, self.zeros).to(torch.bfloat16)  # [N, Dout]
-        elif self.bits == 8:
+        elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2d, self.weight_int8, self.scales)  # [N, Dout]
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -143,8 +141,7 @@ class QuantizedLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        kind = "w4a8" if self.int8_inputs else f"int{self.bits}"
-        return f"in={self.in_features}, out={self.out_features}, {kind}"
+        return f"in={self.in_features}, out={self.out_features}, {self.kind}"
 
 
 def require_kernels(dtype: str) -> None:
@@ -158,21 +155,19 @@ def quantize(model: GPT, dtype: str) -> GPT:
 
     The rest of the model (tables, norms) becomes bf16, the activations' dtype.
     """
-    bits = {"int8": 8, "int4": 4, "w4a8": 4}.get(dtype)
-    if bits is None:
+    if dtype not in QUANTIZED_DTYPES:
         raise ValueError(f"dtype: one of {', '.join(QUANTIZED_DTYPES)}, got {dtype!r}")
     require_kernels(dtype)
-    int8_inputs = dtype == "w4a8"
     if model.read_out is not None:
         raise ValueError("the model is already quantized")
     model.to(torch.bfloat16)
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)]
     for name, linear in linears:
         parent_name, _, attribute = name.rpartition(".")
-        quantized = QuantizedLinear(linear.weight.t(), linear.bias, bits, int8_inputs)  # weight is [in, out]
+        quantized = QuantizedLinear(linear.weight.t(), linear.bias, dtype)  # Linear's weight is [in, out]
         setattr(model.get_submodule(parent_name), attribute, quantized)
     table = model.wte.weight if model.read_rows is None else model.read_table  # [V or V_read, D]: [out, in]
-    model.read_out = QuantizedLinear(table, None, bits, int8_inputs)  # the rows the read-out multiplies
+    model.read_out = QuantizedLinear(table, None, dtype)  # the rows the read-out multiplies
     return model.eval().requires_grad_(False)
 
 

@@ -59,7 +59,7 @@ def test_quantized_linear_is_the_product_with_its_dequantized_weight(bits, rows)
     linear = Linear(64, 100)
     torch.nn.init.normal_(linear.weight, std=0.02)
     torch.nn.init.normal_(linear.bias, std=0.02)
-    layer = QuantizedLinear(linear.weight.t(), linear.bias, bits)
+    layer = QuantizedLinear(linear.weight.t(), linear.bias, f"int{bits}")
     x = torch.randn(2, rows, 64)
     weight = linear.weight.t().detach()  # [out, in]
     if bits == 8:
@@ -127,7 +127,7 @@ def test_the_loader_takes_every_dtype_by_name(tmp_path):
     with pytest.raises(ValueError, match="already quantized"):
         quantize(load_model(str(tmp_path), "int8"), "int8")
     with pytest.raises(ValueError, match="multiples of 32"):
-        QuantizedLinear(torch.randn(32, 48), None, 4)
+        QuantizedLinear(torch.randn(32, 48), None, "int4")
     with pytest.raises(ValueError, match="runs on the CPU, not meta"):
         load_model(str(tmp_path), "int4", device="meta")
 
@@ -189,7 +189,7 @@ def test_w4a8_compiles_as_a_custom_op():
     """Inside torch.compile the product is ``blocklab::w4a8_mm``: eager's numbers, but for the bias
     added before the bf16 rounding (inductor fuses the two)."""
     torch.manual_seed(0)
-    layer = QuantizedLinear(torch.randn(48, 64), torch.randn(48), 4, int8_inputs=True)
+    layer = QuantizedLinear(torch.randn(48, 64), torch.randn(48), "w4a8")
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(x), layer(x), atol=4e-3, rtol=1e-2)
