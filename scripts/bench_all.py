@@ -195,7 +195,7 @@ def peer_rows(runs: dict) -> list[tuple[str, str, str]]:
     """The llama.cpp comparisons' rows, where they ran."""
     if "peers decode" not in runs:
         return []
-    from bench_llama_cpp import PAIRS  # a sibling script: scripts/ is on the path when this one runs
+    from bench_llama_cpp import PAIRS, SERVED  # a sibling script: scripts/ is on the path when this one runs
 
     decode, serving = runs["peers decode"]["results"], runs["peers serving"]["results"]
     ms, ratio = decode["ms_per_token"], decode["ours_over_llama_cpp"]
@@ -208,23 +208,26 @@ def peer_rows(runs: dict) -> list[tuple[str, str, str]]:
             f"{ratio[key]:.2f} ({pair}); {ratio[key + ' compiled']:.2f}",
             "<= 1.0",
         ))  # fmt: skip
-    ours, theirs = serving["servers"]["blocklab int4"], serving["servers"]["llama-server q4_0"]
-    over = serving["ours_over_llama_server"]
-    lone_over, lone = over["lone_e2e_p50_ms"], (ours["lone_e2e_p50_ms"], theirs["lone_e2e_p50_ms"])
-    name = f"peers, serve int4 vs llama-server q4_0, {serving['clients']} clients"
-    return rows + [
-        (
-            f"{name}: requests/s, ours / theirs",
-            f"{over['requests_per_s']:.2f} ({ours['requests_per_s']:.2f} vs {theirs['requests_per_s']:.2f})",
-            ">= 1",
-        ),
-        (f"{name}: TPOT / inter-token latency, ours", f"{serving['ours_tpot_over_itl']:.2f}", "<= 1.2"),
-        (
-            f"{name}: lone end-to-end ms, ours / theirs",
-            f"{lone_over:.2f} ({lone[0]:.0f} vs {lone[1]:.0f})",
-            "<= 1.2",
-        ),
-    ]
+    theirs = serving["servers"]["llama-server q4_0"]
+    for dtype in SERVED:
+        ours, over = serving["servers"][f"blocklab {dtype}"], serving["ours_over_llama_server"][dtype]
+        name = f"peers, serve {dtype} vs llama-server q4_0, {serving['clients']} clients"
+        rate = f"{ours['requests_per_s']:.2f} vs {theirs['requests_per_s']:.2f}"
+        lone = f"{ours['lone_e2e_p50_ms']:.0f} vs {theirs['lone_e2e_p50_ms']:.0f}"
+        rows += [
+            (f"{name}: requests/s, ours / theirs", f"{over['requests_per_s']:.2f} ({rate})", ">= 1"),
+            (
+                f"{name}: TPOT / inter-token latency, ours",
+                f"{serving['ours_tpot_over_itl'][dtype]:.2f}",
+                "<= 1.2",
+            ),
+            (
+                f"{name}: lone end-to-end ms, ours / theirs",
+                f"{over['lone_e2e_p50_ms']:.2f} ({lone})",
+                "<= 1.2",
+            ),
+        ]
+    return rows
 
 
 def run_all(peers: tuple[Path, Path | None, Path] | None = None) -> dict:

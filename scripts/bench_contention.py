@@ -7,15 +7,18 @@ Each measurement runs in a fresh process (the OpenMP wait policy is read when to
 - ``spin``: as before ``lab.threads``: libgomp's default wait (threads spin), torch's default threads
   (every core);
 - ``yield``: ``lab.threads``: ``OMP_WAIT_POLICY=PASSIVE`` and a ``ThreadTuner`` ticked between steps
-  (threads for the cores other processes leave free).
+  (threads for the cores other processes leave free);
+- ``bounded``: ``yield`` with a bounded spin (``GOMP_SPINCOUNT=--spin``, which overrides the policy):
+  a waiting thread spins that many turns of libgomp's wait loop before it sleeps.
 
 and each idle and with a competitor, ``python -c "while True: pass"`` pinned to the last allowed core
 (as ``taskset -c 1`` would on 2 cores), started before the process and stopped after it. The jobs: one
 optimiser step of the builtin model's recipe (``lab.builtin.training_step``: 12 blocks, width 128,
 its compact vocabulary, batch 8 of 256 tokens, Muon, fp32) and one greedy decode step of ``--model``
-(``gpt2-random``: GPT-2 small shapes, fp32). Rounds interleave every configuration; the median of a
-measurement's steps, then the median over rounds, is reported, with the ratio contended / idle (the
-target: at most 2.5) and the threads the tuner chose.
+(``gpt2-random``: GPT-2 small shapes) at ``--dtype`` (fp32), eager or ``--compile``d (``lab.fast``; the
+compiled step's first call, which compiles or loads it, is among the warm-up steps). Rounds
+interleave every configuration; the median of a measurement's steps, then the median over rounds, is
+reported, with the ratio contended / idle (the target: at most 2.5) and the threads the tuner chose.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from typing import Literal
 from lab import flags, threads
 from lab.machine import cpu_description
 
-WAYS = ("spin", "yield")
+WAYS = ("spin", "yield", "bounded")
+Way = Literal["spin", "yield", "bounded"]
+Job = Literal["train", "decode"]
 JOBS = ("train", "decode")
 
 
@@ -66,14 +71,17 @@ def measure_train(steps: int, tuner) -> list[float]:
     return times[1:]
 
 
-def measure_decode(model_spec: str, tokens: int, tuner) -> list[float]:
+def measure_decode(model_spec: str, dtype: str, compile: bool, tokens: int, tuner) -> list[float]:
     """Seconds of each of ``tokens`` greedy decode steps after a 32-token prompt (after 8 warm-up steps)."""
     import torch
 
     from lab.decode import Decoder
+    from lab.fast import accelerate
     from lab.weights import load_model
 
-    model = load_model(model_spec)
+    model = load_model(model_spec, dtype)
+    if compile:
+        accelerate(model)
     prompt = torch.randint(0, model.config.vocab_size, (32,), generator=torch.Generator().manual_seed(0))
     decoder = Decoder(model, max_len=len(prompt) + tokens + 9)
     token = int(decoder.prefill(prompt.tolist()).argmax())
@@ -82,21 +90,24 @@ def measure_decode(model_spec: str, tokens: int, tuner) -> list[float]:
         if tuner is not None:
             tuner.tick()
         start = time.perf_counter()
-        logits, _ = decoder.step(token)
+        logits, _ = decoder.fast_step(token) if compile else decoder.step(token)
         token = int(logits.argmax())
         times.append(time.perf_counter() - start)
     return times[8:]
 
 
-def run_job(job: str, way: str, train_steps: int, decode_tokens: int, model: str) -> dict:
+def run_job(job: str, way: str, spin: int, train_steps: int, decode_tokens: int, model: str, dtype: str,
+            compile: bool) -> dict:  # fmt: skip
     """This process's measurement (``--job``): the median step in ms and the threads it ran with."""
-    if way == "yield":
+    if way == "bounded":
+        os.environ["GOMP_SPINCOUNT"] = str(spin)
+    if way != "spin":
         threads.yield_while_waiting()  # before torch loads
-    tuner = threads.ThreadTuner() if way == "yield" else None
+    tuner = threads.ThreadTuner() if way != "spin" else None
     if job == "train":
         times = measure_train(train_steps, tuner)
     else:
-        times = measure_decode(model, decode_tokens, tuner)
+        times = measure_decode(model, dtype, compile, decode_tokens, tuner)
     import torch
 
     return {"step_ms": statistics.median(times) * 1e3, "threads": torch.get_num_threads()}
@@ -121,6 +132,8 @@ def measured(job: str, way: str, contended: bool, options: dict, timeout: float)
         return json_lib.loads(out.stdout.strip().splitlines()[-1])
     except subprocess.TimeoutExpired:
         return {"step_ms": None, "timed_out_after_s": time.monotonic() - started, "threads": None}
+    except subprocess.CalledProcessError as failed:  # the measurement's own error, not this traceback
+        raise RuntimeError(f"{' '.join(command)} failed:\n{failed.stderr[-2000:]}") from None
     finally:
         if rival is not None:
             rival.kill()
@@ -149,10 +162,15 @@ def main(
     train_steps: int = 4,
     decode_tokens: int = 32,
     model: str = "gpt2-random",
+    dtype: str = "float32",
+    compile: bool = False,
+    spin: int = 3000,
+    jobs: tuple[Job, ...] = JOBS,
+    ways: tuple[Way, ...] = WAYS,
     timeout: float = 300.0,
     json: str | None = None,
-    job: Literal["train", "decode"] | None = None,
-    way: Literal["spin", "yield"] = "yield",
+    job: Job | None = None,
+    way: Way = "yield",
 ) -> None:
     """Measure every configuration ``rounds`` times, interleaved; print the summary as JSON.
 
@@ -161,20 +179,26 @@ def main(
         train_steps: Training steps timed per measurement.
         decode_tokens: Decode steps timed per measurement.
         model: The decoded model (lab.weights).
+        dtype: The decoded model's dtype (lab.quantize.WEIGHT_DTYPES).
+        compile: Decode through the compiled step (lab.fast).
+        spin: The ``bounded`` way's ``GOMP_SPINCOUNT``.
+        jobs: The jobs measured.
+        ways: The ways measured.
         timeout: Seconds one measurement may take; past it, it counts as timed out.
         json: Also write the results here.
         job: Internal: measure this job in this process and print it (the parent starts these).
-        way: Internal, with --job: spin or yield.
+        way: Internal, with --job: the way it runs.
     """
-    options = {"train_steps": train_steps, "decode_tokens": decode_tokens, "model": model}
+    options = {"spin": spin, "train_steps": train_steps, "decode_tokens": decode_tokens, "model": model,
+               "dtype": dtype, "compile": compile}  # fmt: skip
     if job is not None:
         print(json_lib.dumps(run_job(job, way, **options)))
         return
     load_before = os.getloadavg()
     runs: dict[tuple[str, str, bool], list[dict]] = {}
     for _ in range(rounds):
-        for job_name in JOBS:
-            for way_name in WAYS:
+        for job_name in jobs:
+            for way_name in ways:
                 for contended in (False, True):
                     result = measured(job_name, way_name, contended, options, timeout)
                     runs.setdefault((job_name, way_name, contended), []).append(result)
@@ -186,6 +210,7 @@ def main(
         "load_before": load_before,
         "load_after": os.getloadavg(),
         "rounds": rounds,
+        "options": options,
         "jobs": summary(runs),
     }
     print(json_lib.dumps(results, indent=2))

@@ -15,9 +15,9 @@ weights, ours per output row or per group). Each round times every configuration
 ``Decoder.step`` after a prompt of the same length.
 
 ``--serving`` compares serving instead (``scripts/peer_serving.py``): ``llama-server`` with 4 slots
-on the q4_0 file against ``blocklab serve --dtype int4`` at its defaults, 4 closed-loop streaming
-clients on each one's OpenAI completions route, then lone requests: requests/s, TTFT, time per
-output token, inter-token latency and lone end-to-end latency.
+on the q4_0 file against ``blocklab serve`` at its defaults with each of ``SERVED``' dtypes, 4
+closed-loop streaming clients on each one's OpenAI completions route, then lone requests:
+requests/s, TTFT, time per output token, inter-token latency and lone end-to-end latency.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import platform
 import statistics
 import subprocess
 import sys
+from contextlib import ExitStack
 from json import dumps, loads
 from pathlib import Path
 
@@ -46,6 +47,8 @@ PAIRS = (("f32", "float32"), ("q8_0", "int8"), ("q4_0", "int4"), ("q4_0", "w4a8"
 """llama.cpp's weight type and ours that stores as many bits per weight. q4_0 twice: against int4
 (weight-only, bf16 activations) and against w4a8, which quantizes the activations to int8 per group
 as llama.cpp's q4_0 dot product does (q8_0 blocks)."""
+SERVED = ("int4", "w4a8")
+"""The dtypes ``--serving`` serves q4_0's weights in (one ``blocklab serve`` each, side by side)."""
 KINDS = tuple(dict.fromkeys(kind for kind, _ in PAIRS))
 DTYPES = tuple(dict.fromkeys(dtype for _, dtype in PAIRS))
 
@@ -160,21 +163,27 @@ def main(
 
 def serve_against(bin_dir: Path, gguf: Path, threads: int, tokens: int, prompt_tokens: int, rounds: int,
                   clients: int, requests: int, json: Path | None) -> None:  # fmt: skip
-    """``--serving``: both servers up, ``peer_serving.compare``'s rounds, the figures and their ratios."""
-    ours = ServerProcess(["--model", "gpt2-random", "--dtype", "int4"], startup_timeout=300)
-    with LlamaServer(bin_dir / "llama-server", gguf, threads) as llama, ours:
+    """``--serving``: every server up, ``peer_serving.compare``'s rounds, the figures and the ratios
+    of each of ours to llama-server's."""
+    with ExitStack() as servers:
+        llama = servers.enter_context(LlamaServer(bin_dir / "llama-server", gguf, threads))
+        urls = {"llama-server q4_0": llama.url}
+        for dtype in SERVED:
+            ours = ServerProcess(["--model", "gpt2-random", "--dtype", dtype], startup_timeout=300)
+            urls[f"blocklab {dtype}"] = servers.enter_context(ours).url
         load_before = os.getloadavg()
-        figures = compare(
-            {"llama-server q4_0": llama.url, "blocklab int4": ours.url},
-            rounds, clients, requests, prompt_tokens, tokens,
-        )  # fmt: skip
-    theirs, own = figures["llama-server q4_0"], figures["blocklab int4"]
+        figures = compare(urls, rounds, clients, requests, prompt_tokens, tokens)
+    theirs = figures["llama-server q4_0"]
+    ours = {dtype: figures[f"blocklab {dtype}"] for dtype in SERVED}
     results = {
         "machine": cpu_description(), "threads": threads, "clients": clients, "requests": requests,
         "rounds": rounds, "prompt_tokens": prompt_tokens, "max_tokens": tokens,
         "load_before": load_before, "load_after": os.getloadavg(), "servers": figures,
-        "ours_over_llama_server": {key: own[key] / theirs[key] for key in own if not key.endswith("_ci")},
-        "ours_tpot_over_itl": own["tpot_p50_ms"] / own["itl_p50_ms"],
+        "ours_over_llama_server": {
+            dtype: {key: own[key] / theirs[key] for key in own if not key.endswith("_ci")}
+            for dtype, own in ours.items()
+        },
+        "ours_tpot_over_itl": {dtype: own["tpot_p50_ms"] / own["itl_p50_ms"] for dtype, own in ours.items()},
     }  # fmt: skip
     for name, figure in figures.items():
         low, high = figure["requests_per_s_ci"]
