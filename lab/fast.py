@@ -222,21 +222,25 @@ def bind(fn: Callable[..., torch.Tensor], *bound) -> Callable[..., torch.Tensor]
 
 class WarmGraph:
     """A compiled step (``bind``'s function under ``torch.compile``) that checks dynamo's guards on its
-    first call only. The guards (every module's flags, hooks and parameters, every input's shape) cost
-    a sizeable share of a small model's step; here nothing they check can change between calls: each
-    graph has a code object and a key of its own (kind of step, block set, bucket, round length),
-    whose inputs have fixed shapes, freezing made the weights constants (the tuned lens's tensors are
-    inputs, read at every call: a lens attached later is the one read), and hooks send the step to the
-    eager path before it gets here (``FastDecode.ready``)."""
+    first call at each thread count only. The guards (every module's flags, hooks and parameters,
+    every input's shape) cost a sizeable share of a small model's step; here nothing they check can
+    change between calls but the thread count: each graph has a code object and a key of its own
+    (kind of step, block set, bucket, round length), whose inputs have fixed shapes, freezing made the
+    weights constants (the tuned lens's tensors are inputs, read at every call: a lens attached later
+    is the one read), and hooks send the step to the eager path before it gets here
+    (``FastDecode.ready``). The thread count is part of dynamo's global state and ``lab.threads``
+    changes it with the load: a count not seen yet compiles (or loads) its own graph with the guards;
+    after that, skipping guards still checks the ones that tell a function's graphs apart."""
 
     def __init__(self, compiled: Callable[..., torch.Tensor]):
         self.compiled = compiled
-        self.warm = False
+        self.warm_threads: set[int] = set()
 
     def __call__(self, *inputs):
-        if not self.warm:  # compiles (or loads what inductor cached) with the guards
+        threads = torch.get_num_threads()
+        if threads not in self.warm_threads:  # compiles (or loads what inductor cached) with the guards
             output = self.compiled(*inputs)
-            self.warm = True
+            self.warm_threads.add(threads)
             return output
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return self.compiled(*inputs)

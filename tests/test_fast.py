@@ -115,6 +115,27 @@ def test_each_compiled_graph_checks_only_its_own_guards():
     assert [len(entries(code)) for code in codes] == [1] * len(codes)
 
 
+def test_a_compiled_step_follows_the_thread_count_as_the_tuner_changes_it():
+    """lab.threads changes torch's thread count with the load, and dynamo guards on it: a warm graph
+    that skips its guards must not then fail ("Recompilation triggered with skip_guard_eval_unsafe"),
+    but compile once for the new count and go on with the eager step's tokens."""
+    quick, eager = traced(tiny()), tiny()
+    before = torch.get_num_threads()
+    decoder, reference = Decoder(quick, max_len=32), Decoder(eager, max_len=32)
+    token = int(decoder.prefill(PROMPT).argmax())
+    assert token == int(reference.prefill(PROMPT).argmax())
+    try:
+        for threads in (2, 1, 2, 1):
+            torch.set_num_threads(threads)
+            logits, _ = decoder.fast_step(token)
+            expected, _ = reference.step(token)
+            torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+            token = int(expected.argmax())
+    finally:
+        torch.set_num_threads(before)
+    assert not quick.fast.fallbacks
+
+
 def test_a_new_tuned_lens_is_read_through_by_the_compiled_steps():
     """The graphs skip their guards once warm; a lens attached after they compiled is still the one
     the next exit reads through (its tensors are the graph's inputs), as in the eager step."""
