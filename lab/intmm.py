@@ -75,21 +75,23 @@ class _Kernel:
         return self.product(x, weights, bias)  # eager: without the op's dispatch, a few us a call
 
     def product(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None):
-        if x.dtype != _y_dtype(x):
-            x = x.float()
+        dtype = x.dtype
+        if dtype is not torch.bfloat16 and dtype is not torch.float32:
+            x, dtype = x.float(), torch.float32
         if not x.is_contiguous():
             x = x.contiguous()
         m, k = x.shape
-        n, width = weights[0].shape
-        if k % GROUP or width * self.codes_per_byte != k or weights[0].dtype != self.dtype:
+        first = weights[0]
+        n, width = first.shape
+        if k % GROUP or width * self.codes_per_byte != k or first.dtype is not self.dtype:
             expected = f"{self.weights[0]} [N, K / {self.codes_per_byte}] {self.dtype}"
-            got = f"{list(x.shape)} and {list(weights[0].shape)} {weights[0].dtype}"
+            got = f"{list(x.shape)} and {list(first.shape)} {first.dtype}"
             raise ValueError(f"{self.name}: x [M, K] with K a multiple of {GROUP} and {expected}, got {got}")
-        if bias is not None and bias.dtype != x.dtype:
-            bias = bias.to(x.dtype)
-        y = torch.empty(m, n, dtype=x.dtype)
+        if bias is not None and bias.dtype is not dtype:
+            bias = bias.to(dtype)
+        y = torch.empty(m, n, dtype=dtype)
         status = getattr(_library(), self.name)(
-            x.data_ptr(), m, k, x.dtype == torch.bfloat16, *(w.data_ptr() for w in weights), n,
+            x.data_ptr(), m, k, dtype is torch.bfloat16, *[w.data_ptr() for w in weights], n,
             None if bias is None else bias.data_ptr(), y.data_ptr(),
         )  # fmt: skip
         if status != 0:
