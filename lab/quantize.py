@@ -1,4 +1,4 @@
-"""Weight-only int8 and int4 for batch-1 decoding on the CPU: fewer bytes per token, bf16 activations.
+"""int8 and int4 weights for batch-1 decoding on the CPU: fewer bytes per token, bf16 activations.
 
     model = lab.weights.load_model("builtin", "int4")   # or "int8": the loader quantizes
     quantize(model, "int8")                             # in place, on a bf16 model already loaded
@@ -21,7 +21,7 @@ copy of the token table (``GPT.read_out``); the embedding lookup keeps the bf16 
 attention and the KV cache stay bf16. Hooks, block sets and adaptive exit work unchanged; training
 does not (the weights are buffers). Dynamic int8 (activations quantized too, fbgemm's
 ``linear_dynamic``) streams faster but costs far more loss: the residual stream's outlier features do
-not survive one scale per tensor (docs/inference.md).
+not survive one scale per tensor (docs/inference.md); w8a8's and w4a8's scale per 64 inputs keeps them.
 """
 
 from __future__ import annotations
