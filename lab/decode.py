@@ -33,6 +33,8 @@ decides per generated token how deep to go:
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -251,3 +253,15 @@ def _checks_after(decoder: Decoder, ran: int) -> bool:
     """Whether an adaptive row checks for exit after its ``ran``-th block (never after its last)."""
     block_set = decoder.block_set
     return block_set.is_adaptive and block_set.adaptive_min_blocks <= ran < len(decoder.blocks)
+
+
+def greedy_ms_per_token(model: GPT, block_set: BlockSet, prompt: list[int], n_tokens: int) -> float:
+    """ms per token of batch-1 greedy decoding of ``n_tokens`` after ``prompt`` (its prefill not
+    counted): what the benchmarks time."""
+    decoder = Decoder(model, block_set, max_len=len(prompt) + n_tokens + 1)
+    token = int(decoder.prefill(prompt).argmax())
+    start = time.perf_counter()
+    for _ in range(n_tokens):
+        logits, _ = decoder.step(token)
+        token = int(logits.argmax())
+    return (time.perf_counter() - start) * 1e3 / n_tokens

@@ -1,4 +1,4 @@
-"""Weight-only int8 and int4 for batch-1 decoding on the CPU: fewer bytes per token, bf16 activations.
+"""int8 and int4 weights for batch-1 decoding on the CPU: fewer bytes per token, bf16 activations.
 
     model = lab.weights.load_model("builtin", "int4")   # or "int8": the loader quantizes
     quantize(model, "int8")                             # in place, on a bf16 model already loaded
@@ -13,14 +13,15 @@ use on the CPU, and this module puts them behind ``lab.model.Linear``'s interfac
 - int4: asymmetric, a scale and a zero point per group of 64 inputs of a row (32 where 64 does not divide)
   (``torch.ops.aten._weight_int4pack_mm_for_cpu``, weights packed two per byte);
 - w4a8: int4's weights and groups of 64, each product's input quantized to int8 per group of 64 (one
-  scale each) and multiplied in integers (``lab.w4a8``, llama.cpp's q4_0 x q8_0 scheme; AVX2).
+  scale each) and multiplied in integers (``lab.intmm``, llama.cpp's q4_0 x q8_0 scheme; AVX2);
+- w8a8: int8's weights and scales, the inputs quantized as w4a8's (``lab.intmm``, q8_0 x q8_0).
 
 Every ``Linear`` of the blocks becomes a ``QuantizedLinear`` and the tied unembedding gets a quantized
 copy of the token table (``GPT.read_out``); the embedding lookup keeps the bf16 table. Norms, biases,
 attention and the KV cache stay bf16. Hooks, block sets and adaptive exit work unchanged; training
 does not (the weights are buffers). Dynamic int8 (activations quantized too, fbgemm's
 ``linear_dynamic``) streams faster but costs far more loss: the residual stream's outlier features do
-not survive one scale per tensor (docs/inference.md).
+not survive one scale per tensor (docs/inference.md); w8a8's and w4a8's scale per 64 inputs keeps them.
 """
 
 from __future__ import annotations
@@ -30,16 +31,18 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from lab import w4a8
+from lab import intmm
 from lab.errors import UserError
 from lab.model import GPT, Linear
 
-WeightDtype = Literal["float32", "bfloat16", "float16", "int8", "int4", "w4a8"]
+WeightDtype = Literal["float32", "bfloat16", "float16", "int8", "int4", "w4a8", "w8a8"]
 """What ``lab.weights.load_model`` accepts: plain weights in torch's dtypes, weight-only quantization
-(int8, int4), or int4 weights times activations quantized to int8 (w4a8)."""
+(int8, int4), or int4 or int8 weights times activations quantized to int8 (w4a8, w8a8)."""
 WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
-QUANTIZED_DTYPES = ("int8", "int4", "w4a8")
+QUANTIZED_DTYPES = ("int8", "int4", "w4a8", "w8a8")
 """The dtypes ``quantize`` makes: CPU kernels, bf16 activations between the products."""
+INTEGER_PRODUCTS = ("w4a8", "w8a8")
+"""The quantized dtypes whose products quantize their inputs too: ``lab.intmm``'s kernels."""
 
 INT4_GROUP_SIZES = (64, 32)
 """Inputs sharing a scale and zero point, tried in this order (the kernel takes 32, 64, 128 or 256;
@@ -81,7 +84,7 @@ def dequantize_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torc
 
 class QuantizedLinear(nn.Module):
     """y = x W + b for a weight W [in, out] given as [out, in] (``weight_out_in``), stored as ``kind``
-    (one of ``QUANTIZED_DTYPES``: int8, int4, or w4a8's int4 with int8 inputs).
+    (one of ``QUANTIZED_DTYPES``: int8, int4, or their weights with int8 inputs, w8a8 and w4a8).
 
     Works on rows of bf16 activations, any number of them (the prompt's prefill too). int4 pads the
     outputs to a multiple of 16, as its packing requires, and drops the padding from the result.
@@ -93,19 +96,20 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"kind: one of {', '.join(QUANTIZED_DTYPES)}, got {kind!r}")
         if weight_out_in.device.type != "cpu":
             raise ValueError(f"{kind} weights use CPU kernels, not {weight_out_in.device}'s")
-        if kind == "w4a8" and weight_out_in.size(1) % w4a8.GROUP:
-            raise ValueError(f"w4a8 needs input widths that are multiples of {w4a8.GROUP}")
+        if kind in INTEGER_PRODUCTS and weight_out_in.size(1) % intmm.GROUP:
+            raise ValueError(f"{kind} needs input widths that are multiples of {intmm.GROUP}")
         self.kind = kind
         self.out_features, self.in_features = weight_out_in.shape
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
         weight = weight_out_in.detach()
-        if kind == "int8":
+        if kind in ("int8", "w8a8"):
             values, scales = quantize_rows_int8(weight)
             self.register_buffer("weight_int8", values)  # [Dout, Din]
-            self.register_buffer("scales", scales.to(torch.bfloat16))  # [Dout]
+            # [Dout]: torch's int8 kernel takes bf16 scales, w8a8's float32
+            self.register_buffer("scales", scales.to(torch.bfloat16 if kind == "int8" else torch.float32))
         elif kind == "w4a8":
-            self.group_size = w4a8.GROUP
-            packed, scales, zeros = w4a8.pack(*quantize_groups_int4(weight, self.group_size))
+            self.group_size = intmm.GROUP
+            packed, scales, zeros = intmm.w4a8_pack(*quantize_groups_int4(weight, self.group_size))
             self.register_buffer("weight_w4", packed)  # [Dout, Din / 2]
             self.register_buffer("scales", scales)  # [Dout, Din / 64]
             self.register_buffer("zeros", zeros)  # [Dout, Din / 64]
@@ -126,32 +130,43 @@ class QuantizedLinear(nn.Module):
         # [N, Din]: the kernels need it dense. They compute each row alone, the same arithmetic
         # whatever N is, so they are batch-invariant as they are (lab.rows.rows_alone needs nothing
         # here; tests/test_serve_engine.py checks it bit for bit).
-        x2d = x.reshape(-1, d_in).to(torch.bfloat16).contiguous()
-        if self.kind == "w4a8":
-            y = w4a8.matmul(x2d, self.weight_w4, self.scales, self.zeros).to(torch.bfloat16)  # [N, Dout]
-        elif self.kind == "int8":
+        x2d = x.reshape(-1, d_in)
+        if x2d.dtype != torch.bfloat16:
+            x2d = x2d.to(torch.bfloat16)
+        if self.kind == "w4a8":  # lab.intmm reads bf16 as it is and adds the bias before rounding y
+            y = intmm.w4a8_matmul(x2d, self.weight_w4, self.scales, self.zeros, self.bias)  # [N, Dout]
+        elif self.kind == "w8a8":
+            y = intmm.w8a8_matmul(x2d, self.weight_int8, self.scales, self.bias)  # [N, Dout]
+        else:
+            y = self._weight_only(x2d.contiguous())  # [N, Dout]
+        return y.view(*lead, self.out_features)
+
+    def _weight_only(self, x2d: torch.Tensor) -> torch.Tensor:
+        """torch's int8 and int4 kernels: x2d [N, Din] bf16, dense -> [N, Dout] bf16."""
+        if self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2d, self.weight_int8, self.scales)  # [N, Dout]
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2d, self.weight_int4, self.group_size, self.scales_and_zeros
             )  # [N, Dout + pad]
             y = y[:, : self.out_features]  # [N, Dout]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.kind}"
 
 
 def require_kernels(dtype: str) -> None:
-    """UserError if ``dtype``'s kernel cannot run on this machine (w4a8 needs AVX2 and a C compiler)."""
-    if dtype == "w4a8" and (reason := w4a8.unavailable()) is not None:
-        raise UserError(f"--dtype w4a8: {reason}; int4 runs everywhere")
+    """UserError if ``dtype``'s kernel cannot run on this machine (w4a8 and w8a8 need AVX2 and a C
+    compiler)."""
+    if dtype in INTEGER_PRODUCTS and (reason := intmm.unavailable()) is not None:
+        weight_only = {"w4a8": "int4", "w8a8": "int8"}[dtype]
+        raise UserError(f"--dtype {dtype}: {reason}; {weight_only} runs everywhere")
 
 
 def quantize(model: GPT, dtype: str) -> GPT:
-    """Replace ``model``'s Linear layers and read-out with int8, int4 or w4a8 ones, in place; returns it.
+    """Replace ``model``'s Linear layers and read-out with ``dtype``'s (``QUANTIZED_DTYPES``), in place;
+    returns it.
 
     The rest of the model (tables, norms) becomes bf16, the activations' dtype.
     """

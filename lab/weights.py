@@ -450,8 +450,8 @@ def load_model(
     """A GPT in eval mode from a spec (see the module docstring), the one loader of every command.
 
     ``dtype``: one of ``lab.quantize.WEIGHT_DTYPES`` (``float32``, ``bfloat16``, ``float16``, or
-    ``int8`` / ``int4``: weight-only quantized; ``w4a8``: int4 weights times int8 activations; CPU
-    only), or a torch floating dtype.
+    ``int8`` / ``int4``: weight-only quantized; ``w8a8`` / ``w4a8``: int8 or int4 weights times int8
+    activations; CPU only), or a torch floating dtype.
     ``attention``: 'eager' | 'sdpa' override. The model's tuned lens, where one was fitted to it
     (``lab.lens.home``), comes with it as ``model.tuned_lens``.
     """

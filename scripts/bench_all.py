@@ -5,7 +5,7 @@
 
 Runs, one after another, each benchmark with settings shortened to fit a few minutes:
 
-- decode: ``scripts/bench_decode.py`` (ours in fp32/bf16/int8/int4 vs transformers vs the bandwidth bound,
+- decode: ``scripts/bench_decode.py`` (ours in fp32/bf16/int8/w8a8/int4/w4a8 vs transformers vs the bound,
   blocks skipped, each dtype through lab.fast's compiled step);
 - serve: ``scripts/bench_serve.py`` (HTTP overhead, batching throughput, latency with skips, the
   scheduler on GPT-2 small shapes in int4 and on the builtin model, batch-invariant and not);
@@ -58,7 +58,7 @@ def run_json(name: str, command: list[str], json_path: Path | None = None) -> di
 def decode_rows(decode: dict) -> list[tuple[str, str, str]]:
     ms = decode["ms_per_token"]
     rows = []
-    for dtype in ("float32", "bfloat16", "int8", "int4", "w4a8"):
+    for dtype in ("float32", "bfloat16", "int8", "w8a8", "int4", "w4a8"):
         rows += [
             (
                 f"decode, GPT-2 small shapes: ours {dtype} / transformers fp32",

@@ -10,7 +10,8 @@ shared with other jobs slows all of them alike. Reports:
 
 - ms/token of greedy decoding after a prompt (prefill excluded) for GPT-2 small shapes (``gpt2-random``):
   ``transformers.GPT2LMHeadModel`` fp32 (same weights, its own KV cache), and ours with fp32, bf16,
-  weight-only int8 and int4 weights, and int4 weights times int8 activations (w4a8; ``lab.quantize``);
+  weight-only int8 and int4 weights, and int8 and int4 weights times int8 activations (w8a8, w4a8;
+  ``lab.quantize``);
 - the bandwidth bound: the weight bytes one token reads / the best read bandwidth measured here on a
   buffer of the same size, read again and again as decoding does (where the last-level cache is about
   as large as the weights, that is the cache's bandwidth more than the memory's);
@@ -21,7 +22,7 @@ shared with other jobs slows all of them alike. Reports:
   never exits) and alone;
 - one position's unembedding: mv on the tied [V, D] table vs F.linear vs a transposed [D, V] copy;
 - on each builtin model (if created: ``builtin``, ``builtin-early-exit``), on held-out standard-library
-  files: the loss change of bf16, int8, int4 and w4a8, and loss vs mean blocks per token under
+  files: the loss change of bf16, int8, w8a8, int4 and w4a8, and loss vs mean blocks per token under
   adaptive exit and fixed early exits (``--quality-only``: only these, no timing).
 """
 
@@ -40,14 +41,14 @@ import torch.nn.functional as F
 from lab import fast, flags, tokens
 from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
-from lab.decode import Decoder, stability
+from lab.decode import greedy_ms_per_token, stability
 from lab.generate import score
 from lab.measure import interleaved, interval
 from lab.model import GPT, Linear
 from lab.quantize import QuantizedLinear
 from lab.weights import BUILTIN_MODELS, builtin_source, load_model
 
-LOW_PRECISION = ("bfloat16", "int8", "int4", "w4a8")
+LOW_PRECISION = ("bfloat16", "int8", "w8a8", "int4", "w4a8")
 """Weights besides fp32 that decoding is measured with (lab.quantize)."""
 SKIPS = (3, 6, 9, 12)
 """Blocks skipped (the last k) in the per-block fit."""
@@ -68,16 +69,6 @@ def hf_twin(model: GPT):
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     hf.tie_weights()
     return hf
-
-
-def ms_per_token_ours(model: GPT, block_set: BlockSet, prompt: list[int], n_tokens: int) -> float:
-    decoder = Decoder(model, block_set, max_len=len(prompt) + n_tokens + 1)
-    token = int(decoder.prefill(prompt).argmax())
-    start = time.perf_counter()
-    for _ in range(n_tokens):
-        logits, _ = decoder.step(token)
-        token = int(logits.argmax())
-    return (time.perf_counter() - start) * 1e3 / n_tokens
 
 
 @torch.inference_mode()
@@ -176,8 +167,8 @@ def held_out_windows(length: int, count: int = 4) -> list[tuple[str, list[int]]]
 
 
 def builtin_quality(name: str = "builtin") -> dict | None:
-    """On a builtin model (if created), on held-out files: the loss change of bf16, int8, int4, w4a8
-    weights, and loss vs mean blocks per token for adaptive-exit thresholds and for fixed early exits."""
+    """On a builtin model (if created), on held-out files: the loss change of bf16, int8, w8a8, int4,
+    w4a8 weights, and loss vs mean blocks per token for adaptive-exit thresholds and for fixed early exits."""
     if not (builtin_source(name) / "blocklab.json").exists():
         return None
     fp32 = load_model(name)
@@ -220,15 +211,15 @@ def decode_ms(
     n = ours.config.n_layer
     configs = {"transformers fp32": lambda: ms_per_token_hf(hf, prompt, tokens)}
     for dtype, model in models.items():
-        configs[f"ours {dtype}"] = lambda m=model: ms_per_token_ours(m, BlockSet(), prompt, tokens)
-    configs["ours float32 adaptive=1.0"] = lambda: ms_per_token_ours(
+        configs[f"ours {dtype}"] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
+    configs["ours float32 adaptive=1.0"] = lambda: greedy_ms_per_token(
         ours, BlockSet(adaptive_threshold=1.0), prompt, tokens
     )
     for k in SKIPS:
         block_set = BlockSet(skip=frozenset(range(n - k, n)))
-        configs[f"ours float32 skip {k}"] = lambda b=block_set: ms_per_token_ours(ours, b, prompt, tokens)
+        configs[f"ours float32 skip {k}"] = lambda b=block_set: greedy_ms_per_token(ours, b, prompt, tokens)
     for dtype, model in compiled.items():
-        configs[f"ours {dtype} compiled"] = lambda m=model: ms_per_token_ours(m, BlockSet(), prompt, tokens)
+        configs[f"ours {dtype} compiled"] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
     ms = {name: statistics.median(values) for name, values in interleaved(configs, rounds).items()}
     ms["ours float32 skip 0"] = ms["ours float32"]
     return ms, diff
@@ -249,7 +240,7 @@ def builtin_steps(prompt: list[int], tokens: int, rounds: int, compile: bool) ->
         quick = fast.accelerate(load_model("builtin"))
         runs |= {"compiled all": (quick, BlockSet()), "compiled skip half": (quick, half)}
     configs = {
-        name: lambda m=model_, b=block_set: ms_per_token_ours(m, b, prompt, tokens)
+        name: lambda m=model_, b=block_set: greedy_ms_per_token(m, b, prompt, tokens)
         for name, (model_, block_set) in runs.items()
     }
     times = interleaved(configs, rounds)  # the warm-up compiles

@@ -10,8 +10,9 @@ PyPI). The first run writes ``gpt2-random`` as a Hugging Face directory
 and quantizes that to q8_0 and q4_0, all under ``--gguf-dir``; later runs reuse the files. Pairs
 compared (ours each eager and through ``lab.fast``'s compiled step): llama.cpp f32 against ours
 float32, q8_0 against int8, q4_0 against int4 (weight-only, both: q8_0 and q4_0 keep a scale per 32
-weights, ours per output row or per group). Each round times every configuration once: llama.cpp's
-``llama-bench -r 1`` decoding ``--tokens`` after ``--prompt-tokens`` of context (``-d``), ours
+weights, ours per output row or per group), and q8_0 and q4_0 against w8a8 and w4a8 (int8
+activations, as llama.cpp's dot products quantize them). Each round times every configuration once:
+llama.cpp's ``llama-bench -r 1`` decoding ``--tokens`` after ``--prompt-tokens`` of context (``-d``), ours
 ``Decoder.step`` after a prompt of the same length.
 
 ``--serving`` compares serving instead (``scripts/peer_serving.py``): ``llama-server`` with 4 slots
@@ -32,21 +33,23 @@ from json import dumps, loads
 from pathlib import Path
 
 import torch
-from bench_decode import ms_per_token_ours
 from peer_serving import LlamaServer, compare
 
 from lab import fast, flags
 from lab.blocks import BlockSet
+from lab.decode import greedy_ms_per_token
 from lab.machine import cpu_description
 from lab.measure import interleaved, interval
 from lab.threads import USER_WAIT_POLICY
 from lab.weights import load_model, save_hf_dir
 from serve.process import ServerProcess
 
-PAIRS = (("f32", "float32"), ("q8_0", "int8"), ("q4_0", "int4"), ("q4_0", "w4a8"))
-"""llama.cpp's weight type and ours that stores as many bits per weight. q4_0 twice: against int4
-(weight-only, bf16 activations) and against w4a8, which quantizes the activations to int8 per group
-as llama.cpp's q4_0 dot product does (q8_0 blocks)."""
+PAIRS = (
+    ("f32", "float32"), ("q8_0", "int8"), ("q8_0", "w8a8"), ("q4_0", "int4"), ("q4_0", "w4a8"),
+)  # fmt: skip
+"""llama.cpp's weight type and ours that stores as many bits per weight. q8_0 and q4_0 twice: against
+int8 and int4 (weight-only, bf16 activations) and against w8a8 and w4a8, which quantize the
+activations to int8 per group as llama.cpp's q8_0 and q4_0 dot products do (q8_0 blocks)."""
 SERVED = ("int4", "w4a8")
 """The dtypes ``--serving`` serves q4_0's weights in (one ``blocklab serve`` each, side by side)."""
 KINDS = tuple(dict.fromkeys(kind for kind, _ in PAIRS))
@@ -123,9 +126,9 @@ def main(
         for kind, gguf in files.items()
     }
     for dtype, model in ours.items():
-        configs[f"ours {dtype}"] = lambda m=model: ms_per_token_ours(m, BlockSet(), prompt, tokens)
+        configs[f"ours {dtype}"] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
     for dtype, model in compiled.items():
-        configs[f"ours {dtype} compiled"] = lambda m=model: ms_per_token_ours(m, BlockSet(), prompt, tokens)
+        configs[f"ours {dtype} compiled"] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
     load_before = os.getloadavg()
     times = interleaved(configs, rounds)  # the warm-up compiles
     ms = {name: {"median": statistics.median(v), "ci": list(interval(v))} for name, v in times.items()}

@@ -33,7 +33,7 @@ COMMANDS = {  # the commands whose parsers the training lab and the measurements
     "depth": "lab.analysis.depth",
     "cost": "lab.analysis.cost",
 }
-SCRIPTS = ("bench_train", "bench_decode", "bench_speculate", "bench_all", "bench_w4a8")
+SCRIPTS = ("bench_train", "bench_decode", "bench_speculate", "bench_all", "bench_intmm")
 
 
 def slug(heading: str) -> str:

@@ -1,11 +1,12 @@
-"""Quantized int8/int4/w4a8: each layer computes with the weights it claims to hold, and decoding works."""
+"""Quantized weights (lab.quantize, lab.intmm): each layer computes with the weights it claims to hold,
+and decoding works."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-from lab import w4a8
+from lab import intmm
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
 from lab.decode import Decoder
@@ -22,10 +23,9 @@ from lab.quantize import (
 
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=64, vocab_size=100, block_size=32)  # 100 rows: int4 pads to 112
 
-W4A8 = pytest.param(
-    "w4a8", marks=pytest.mark.skipif(w4a8.unavailable() is not None, reason=str(w4a8.unavailable()))
-)
-QUANTIZED = ["int8", "int4", W4A8]
+NO_KERNELS = pytest.mark.skipif(intmm.unavailable() is not None, reason=str(intmm.unavailable()))
+INTEGER = [pytest.param("w4a8", marks=NO_KERNELS), pytest.param("w8a8", marks=NO_KERNELS)]
+QUANTIZED = ["int8", "int4", *INTEGER]
 
 
 def tiny_model(norm: str = "pre") -> GPT:
@@ -50,24 +50,28 @@ def test_int4_groups_round_trip_within_half_a_step(group_size):
     assert ((dequantize_int4(codes, scales_and_zeros) - weight).abs() <= step / 2 + 1e-6).all()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("kind", QUANTIZED)
 @pytest.mark.parametrize("rows", [1, 5])
-def test_quantized_linear_is_the_product_with_its_dequantized_weight(bits, rows):
-    """The fused kernel computes x @ W_q + b for the W_q the quantizer produced (with bf16 rounding),
-    for one row (decoding) and several (prefill), with outputs not a multiple of 16 (int4 pads)."""
+def test_quantized_linear_is_the_product_with_its_dequantized_weight(kind, rows):
+    """The fused kernel computes x @ W_q + b for the W_q the quantizer produced (with bf16 rounding,
+    and w4a8's and w8a8's int8 inputs), for one row (decoding) and several (prefill), with outputs
+    not a multiple of 16 (int4 pads)."""
     torch.manual_seed(0)
     linear = Linear(64, 100)
     torch.nn.init.normal_(linear.weight, std=0.02)
     torch.nn.init.normal_(linear.bias, std=0.02)
-    layer = QuantizedLinear(linear.weight.t(), linear.bias, f"int{bits}")
+    layer = QuantizedLinear(linear.weight.t(), linear.bias, kind)
     x = torch.randn(2, rows, 64)
     weight = linear.weight.t().detach()  # [out, in]
+    bits = 8 if kind in ("int8", "w8a8") else 4
     if bits == 8:
         values, scales = quantize_rows_int8(weight)
-        dequantized = values.float() * scales.to(torch.bfloat16).float()[:, None]
+        dequantized = values.float() * layer.scales.float()[:, None]  # int8's bf16, w8a8's float32
     else:
         codes, scales_and_zeros = quantize_groups_int4(weight, layer.group_size)
-        dequantized = dequantize_int4(codes, scales_and_zeros.to(torch.bfloat16))
+        if kind == "int4":  # torch's kernel takes bf16 scales and zeros, w4a8's float32
+            scales_and_zeros = scales_and_zeros.to(torch.bfloat16)
+        dequantized = dequantize_int4(codes, scales_and_zeros)
     expected = x.to(torch.bfloat16).float() @ dequantized.t() + linear.bias.detach()  # [2, rows, 100]
     got = layer(x)
     assert got.shape == (2, rows, 100) and got.dtype == torch.bfloat16
@@ -92,10 +96,11 @@ def test_quantized_model_predicts_like_the_original(dtype, norm):
     assert parameter_count(quantized) == model.num_params()
     assert quantized.read_out is not None
     assert not any(isinstance(m, Linear) for m in quantized.modules())
+    eight_bits = dtype in ("int8", "w8a8")
     error = (logits - reference).norm() / reference.norm()
-    assert error < (0.02 if dtype == "int8" else 0.15)
+    assert error < (0.02 if eight_bits else 0.15)
     agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
-    assert agree > (0.9 if dtype == "int8" else 0.6)
+    assert agree > (0.9 if eight_bits else 0.6)
 
 
 @pytest.mark.parametrize("dtype", QUANTIZED)
@@ -149,59 +154,103 @@ def test_propagated_keys_and_values_are_those_the_block_writes(dtype):
     torch.testing.assert_close(propagated.v[2], ran.v[2])
 
 
-def w4a8_reference(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """What lab/kernels/w4a8.c defines, in float64: each row's groups of 64 inputs rounded to int8
-    steps of max |a| / 127, times the weights (code - 8) * scale + zero. x [M, K] -> [M, N]."""
+def quantized_inputs(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as lab/kernels/intmm.c quantizes it, in float64: each row's groups of 64 inputs rounded
+    to int8 steps of max |a| / 127. -> [M, K / 64, 64]."""
     m, k = x.shape
     groups = x.double().reshape(m, k // 64, 64)  # [M, G, 64]
     steps = groups.abs().amax(-1, keepdim=True) / 127  # [M, G, 1]
-    q = torch.where(steps > 0, torch.round(groups / steps), 0.0) * steps  # the int8 activations
+    return torch.where(steps > 0, torch.round(groups / steps), 0.0) * steps
+
+
+def w4a8_reference(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """What w4a8_mm defines: the int8 inputs times the weights (code - 8) * scale + zero, with each
+    group's sum of x exact (the zeros multiply it). x [M, K] -> [M, N]."""
+    m, k = x.shape
+    q = quantized_inputs(x)  # [M, G, 64]
     scales, zeros = scales_and_zeros.double().transpose(0, 1).unbind(-1)  # [N, G] each
     c = codes.double().reshape(codes.size(0), k // 64, 64) - 8  # [N, G, 64]
     products = torch.einsum("mgi,ngi->mng", q, c) * scales  # [M, N, G]
-    return (products + groups.sum(-1)[:, None, :] * zeros).sum(-1)  # [M, N]
+    return (products + x.double().reshape(m, k // 64, 64).sum(-1)[:, None, :] * zeros).sum(-1)  # [M, N]
 
 
-@pytest.mark.skipif(w4a8.unavailable() is not None, reason=str(w4a8.unavailable()))
+def w8a8_reference(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What w8a8_mm defines: the int8 inputs times the weights value * scale. x [M, K] -> [M, N]."""
+    q = quantized_inputs(x).flatten(1)  # [M, K]
+    return q @ (values.double() * scales.double()[:, None]).t()  # [M, N]
+
+
+def integer_product(kind: str, weight: torch.Tensor):
+    """lab.intmm's product of ``kind`` on ``weight`` [N, K] as lab.quantize quantizes it, and its
+    float64 definition: two functions of x [M, K] (and a bias [N])."""
+    if kind == "w4a8":
+        codes, scales_and_zeros = quantize_groups_int4(weight, 64)
+        packed = intmm.w4a8_pack(codes, scales_and_zeros)
+        return (
+            lambda x, bias=None: intmm.w4a8_matmul(x, *packed, bias),
+            lambda x: w4a8_reference(x, codes, scales_and_zeros),
+        )
+    values, scales = quantize_rows_int8(weight)
+    return (
+        lambda x, bias=None: intmm.w8a8_matmul(x, values, scales, bias),
+        lambda x: w8a8_reference(x, values, scales),
+    )
+
+
+@pytest.mark.parametrize("kind", INTEGER)
 @pytest.mark.parametrize("k", [64, 768])
-def test_w4a8_kernel_is_its_definition_and_rows_are_alone(k):
+def test_integer_kernel_is_its_definition_and_rows_are_alone(kind, k):
     """The C kernel computes what its header says (against float64), with outputs of any count,
     and each row's result is bit for bit the same alone or among 1 to 8 others (batch invariance)."""
     torch.manual_seed(0)
-    weight = torch.randn(37, k) * 0.05
-    codes, scales_and_zeros = quantize_groups_int4(weight, 64)
-    packed, scales, zeros = w4a8.pack(codes, scales_and_zeros)
+    product, reference = integer_product(kind, torch.randn(37, k) * 0.05)
     x = torch.randn(9, k)
     x[2] = 0.0  # a row of zeros: its activation scale is 0
-    y = w4a8.matmul(x, packed, scales, zeros)
+    y = product(x)
     assert y.shape == (9, 37) and y.dtype == torch.float32
-    torch.testing.assert_close(y.double(), w4a8_reference(x, codes, scales_and_zeros), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.double(), reference(x), rtol=1e-5, atol=1e-5)
     assert not y[2].any()
     for rows in (1, 3, 4, 5):
         for start in range(0, 9 - rows + 1, 2):
-            assert torch.equal(
-                w4a8.matmul(x[start : start + rows], packed, scales, zeros), y[start : start + rows]
-            )
+            assert torch.equal(product(x[start : start + rows]), y[start : start + rows])
 
 
-@pytest.mark.skipif(w4a8.unavailable() is not None, reason=str(w4a8.unavailable()))
-def test_w4a8_compiles_as_a_custom_op():
-    """Inside torch.compile the product is ``blocklab::w4a8_mm``: eager's numbers, but for the bias
-    added before the bf16 rounding (inductor fuses the two)."""
+@pytest.mark.parametrize("kind", INTEGER)
+def test_integer_kernel_reads_and_writes_bf16(kind):
+    """bf16 x is read as it is (its values exactly), the bias added in float32 and y rounded once to
+    bf16 as torch rounds; a strided x is made dense first; other dtypes are taken as float32."""
     torch.manual_seed(0)
-    layer = QuantizedLinear(torch.randn(48, 64), torch.randn(48), "w4a8")
+    product, _ = integer_product(kind, torch.randn(40, 128) * 0.05)
+    x, bias = torch.randn(6, 256)[:, ::2], torch.randn(40)  # [6, 128], strided
+    x16 = x.to(torch.bfloat16)
+    y = product(x16, bias.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    expected = product(x16.float(), bias.to(torch.bfloat16).float()).to(torch.bfloat16)
+    assert torch.equal(y, expected)
+    assert torch.equal(product(x.double()), product(x))
+
+
+@pytest.mark.parametrize("kind", INTEGER)
+def test_integer_products_compile_as_custom_ops(kind):
+    """Inside torch.compile each product is its custom op (``blocklab::w4a8_mm``, ``w8a8_mm``), bias
+    included: eager's numbers bit for bit."""
+    torch.manual_seed(0)
+    layer = QuantizedLinear(torch.randn(48, 64), torch.randn(48), kind)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
-    torch.testing.assert_close(compiled(x), layer(x), atol=4e-3, rtol=1e-2)
+    assert torch.equal(compiled(x), layer(x))
 
 
-def test_w4a8_without_its_kernel_is_refused_saying_why(monkeypatch):
-    """Where the kernel cannot run (no AVX2, no compiler), quantizing and the server's settings say why."""
+@pytest.mark.parametrize(("kind", "weight_only"), [("w4a8", "int4"), ("w8a8", "int8")])
+def test_integer_products_without_their_kernels_are_refused_saying_why(monkeypatch, kind, weight_only):
+    """Where the kernels cannot run (no AVX2, no compiler), quantizing and the server's settings say why."""
     from serve.app import ServeConfig
 
-    monkeypatch.setattr(w4a8, "unavailable", lambda: "the W4A8 kernel needs a CPU with AVX2 and FMA")
-    with pytest.raises(ValueError, match="--dtype w4a8: the W4A8 kernel needs a CPU with AVX2.*int4 runs"):
-        quantize(tiny_model(), "w4a8")
-    with pytest.raises(ValueError, match="--dtype w4a8: the W4A8 kernel needs"):
-        ServeConfig(model="builtin", dtype="w4a8").check()
-    quantize(tiny_model(), "int4")  # the others need nothing of it
+    monkeypatch.setattr(intmm, "unavailable", lambda: "the integer kernels need a CPU with AVX2 and FMA")
+    with pytest.raises(
+        ValueError, match=f"--dtype {kind}: the integer kernels need a CPU.*{weight_only} runs"
+    ):
+        quantize(tiny_model(), kind)
+    with pytest.raises(ValueError, match=f"--dtype {kind}: the integer kernels need"):
+        ServeConfig(model="builtin", dtype=kind).check()
+    quantize(tiny_model(), weight_only)  # the others need nothing of it

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lab import generate as lab_generate
-from lab import tokens
+from lab import intmm, tokens
 from lab.blocks import BlockSet
 from lab.model import GPT
 from lab.sampling import SamplingParams
@@ -20,6 +20,8 @@ from serve.worker import Order, Worker
 from tests.tiny import TinyModel, assert_rows_alone, random_lens, staggered_decoders
 
 N_LAYER = 4
+NO_KERNELS = pytest.mark.skipif(intmm.unavailable() is not None, reason=str(intmm.unavailable()))
+INTEGER_PRODUCTS = [pytest.param("w4a8", marks=NO_KERNELS), pytest.param("w8a8", marks=NO_KERNELS)]
 PROMPT = tokens.encode("The quick brown fox jumps over")
 
 
@@ -135,17 +137,18 @@ def test_random_mixes_of_block_sets_joining_and_leaving_compute_what_each_row_co
             assert got["tokens"] == alone(model, one), (trial, position, str(one.block_set))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "int4", *INTEGER_PRODUCTS])
 def test_a_rows_logits_are_bit_for_bit_its_logits_alone(dtype):
     """``decode_rows`` under ``rows_alone``: a row among others of other block sets gives exactly
-    the logits it gives alone, in fp32 and int4; the products shared as one matrix product do not."""
+    the logits it gives alone, in fp32, int4 and lab.intmm's w4a8 and w8a8; the products shared as
+    one matrix product do not."""
     from lab.generate import decode_rows
     from lab.quantize import quantize
 
     torch.manual_seed(0)
     model = TinyModel(n_layer=N_LAYER, n_embd=64, n_head=4)("cpu")
-    if dtype == "int4":
-        model = quantize(model.to(torch.bfloat16), "int4")
+    if dtype != "float32":
+        model = quantize(model.to(torch.bfloat16), dtype)
     model.tuned_lens = random_lens(model)
     specs = ["all", "skip=1", "exit=3", "overwrite=2", "adaptive=0.5", "all", "keep=0,3", "all",
              "exit=3;lens=tuned", "exit=2;lens=tuned", "exit=3;lens=tuned",

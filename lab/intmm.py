@@ -1,0 +1,180 @@
+"""Integer matrix products on the CPU: activations quantized to int8 per group of 64, 4- or 8-bit weights.
+
+    from lab import intmm
+    packed, scales, zeros = intmm.w4a8_pack(codes, scales_and_zeros)  # lab.quantize's int4 codes
+    y = intmm.w4a8_matmul(x, packed, scales, zeros, bias)              # x [M, K] -> y [M, N]
+    y = intmm.w8a8_matmul(x, values, scales, bias)                     # lab.quantize's int8 rows
+    intmm.unavailable()                                                # None, or why not here
+
+torch's int4 and int8 kernels (``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``) multiply
+bf16 activations by weights widened to floating point; llama.cpp's q4_0 and q8_0 instead quantize the
+activations to int8 per block and multiply integers, which AVX2 does 32 at a time
+(``lab/kernels/intmm.c`` says how, for both). torch ships no such kernel for the CPU; torchao (on the
+registry) has int8-activation CPU kernels aimed at AVX-512 and AMX, not tried here. So they are
+written here, in one C file.
+
+x, the bias and y are float32 or bfloat16 (the model's activations), read and written as they are;
+other dtypes are taken as float32. The bias is added before y is rounded to bf16.
+
+The C file is compiled on first use with the system's C compiler (``cc``, about a second), into
+``lab.weights.cache_root()/kernels``, named by a hash of its source and flags, and loaded with
+ctypes: plain C needs none of torch's headers, whose build takes a minute. Compiled with
+``-fopenmp`` and loaded after torch, it binds to the ``libgomp.so.1`` torch has already loaded, so its
+parallel loops run on torch's threads, as many as ``torch.get_num_threads()``, under the same wait
+policy (``lab.threads``). Inside ``torch.compile`` each product is a custom op,
+``blocklab::w4a8_mm`` and ``blocklab::w8a8_mm``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+GROUP = 64
+"""Inputs sharing an activation scale (and in w4a8, a weight scale and zero point)."""
+
+SOURCE = Path(__file__).parent / "kernels" / "intmm.c"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """One product of lab/kernels/intmm.c: its C function ``name`` takes x, M, K, bf16, then the
+    ``weights`` (tensors, the first [N, K / codes_per_byte] of ``dtype``), then N, bias and y; under
+    torch.compile it is the custom op ``blocklab::<name>``."""
+
+    name: str
+    weights: tuple[str, ...]
+    codes_per_byte: int
+    dtype: torch.dtype
+    op: torch.library.CustomOpDef = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        arguments = ", ".join(f"Tensor {weight}" for weight in self.weights)
+        op = torch.library.custom_op(
+            f"blocklab::{self.name}",
+            lambda x, *rest: self.product(x, rest[:-1], rest[-1]),
+            mutates_args=(),
+            schema=f"(Tensor x, {arguments}, Tensor? bias) -> Tensor",
+        )
+        op.register_fake(lambda x, first, *rest: x.new_empty(x.size(0), first.size(0), dtype=_y_dtype(x)))
+        object.__setattr__(self, "op", op)
+
+    def __call__(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None):
+        if torch.compiler.is_compiling():  # dynamo cannot trace ctypes: the custom op stands for it
+            return self.op(x, *weights, bias)
+        return self.product(x, weights, bias)  # eager: without the op's dispatch, a few us a call
+
+    def product(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None):
+        dtype = x.dtype
+        if dtype is not torch.bfloat16 and dtype is not torch.float32:
+            x, dtype = x.float(), torch.float32
+        if not x.is_contiguous():
+            x = x.contiguous()
+        m, k = x.shape
+        first = weights[0]
+        n, width = first.shape
+        if k % GROUP or width * self.codes_per_byte != k or first.dtype is not self.dtype:
+            expected = f"{self.weights[0]} [N, K / {self.codes_per_byte}] {self.dtype}"
+            got = f"{list(x.shape)} and {list(first.shape)} {first.dtype}"
+            raise ValueError(f"{self.name}: x [M, K] with K a multiple of {GROUP} and {expected}, got {got}")
+        if bias is not None and bias.dtype is not dtype:
+            bias = bias.to(dtype)
+        y = torch.empty(m, n, dtype=dtype)
+        status = getattr(_library(), self.name)(
+            x.data_ptr(), m, k, dtype is torch.bfloat16, *[w.data_ptr() for w in weights], n,
+            None if bias is None else bias.data_ptr(), y.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError(f"{self.name}: no memory for the activations of {m} x {k}")
+        return y
+
+
+def _y_dtype(x: torch.Tensor) -> torch.dtype:
+    """The kernels read and write bf16 and float32; any other dtype is taken as float32."""
+    return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+
+
+_W4A8 = _Kernel("w4a8_mm", ("packed", "scales", "zeros"), 2, torch.uint8)
+_W8A8 = _Kernel("w8a8_mm", ("values", "scales"), 1, torch.int8)
+
+
+def unavailable() -> str | None:
+    """Why the kernels cannot run here (None: they can)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the integer kernels need a CPU with AVX2 and FMA; torch reports {capability}"
+    try:
+        _library()
+    except (OSError, subprocess.CalledProcessError) as error:
+        return f"the integer kernels did not build with the system's C compiler: {error}"
+    return None
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise OSError("no C compiler (cc, or $CC) on the PATH")
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    from lab.weights import cache_root  # here: lab.weights imports lab.quantize, which imports this
+
+    directory = cache_root() / "kernels"
+    target = directory / f"intmm-{digest}.so"
+    if not target.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory) as scratch:  # processes may build at once
+            built = Path(scratch) / target.name
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True)
+            os.replace(built, target)
+    library = ctypes.CDLL(str(target))
+    for kernel in (_W4A8, _W8A8):
+        function = getattr(library, kernel.name)
+        function.restype = ctypes.c_int
+        function.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,  # x, M, K, bf16
+            *[ctypes.c_void_p] * len(kernel.weights),
+            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,  # N, bias, y
+        ]  # fmt: skip
+    return library
+
+
+def w4a8_pack(
+    codes: torch.Tensor, scales_and_zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lab.quantize's int4 codes [N, K] (0..15) and scales_and_zeros [K / 64, N, 2] -> the kernel's
+    packed weights [N, K / 2] uint8 and its scales and zeros, float32 [N, K / 64] each."""
+    n, k = codes.shape
+    halves = codes.reshape(n, k // GROUP, 2, GROUP // 2).to(torch.uint8)  # [N, G, 2, 32]
+    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()  # [N, K / 2]
+    scales, zeros = scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [N, G] each
+    return packed, scales.contiguous(), zeros.contiguous()
+
+
+def w4a8_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] times the packed 4-bit weights [N, K / 2] (``w4a8_pack``), + bias [N]: y [M, N]."""
+    return _W4A8(x, (packed, scales, zeros), bias)
+
+
+def w8a8_matmul(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] times lab.quantize's int8 rows, values [N, K] int8 and scales [N] float32, + bias [N]:
+    y [M, N]."""
+    return _W8A8(x, (values, scales), bias)

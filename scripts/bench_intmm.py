@@ -1,0 +1,156 @@
+"""Integer products (``lab.intmm``) against torch's weight-only kernels: w4a8 vs int4, w8a8 vs int8.
+
+    python scripts/bench_intmm.py                     # 1 and 2 threads, 7 interleaved rounds
+    python scripts/bench_intmm.py --threads 2 --rounds 9 --json intmm.json
+    python scripts/bench_intmm.py --only products decode
+
+Each pair holds the same quantized weights (``lab.quantize``): int4 and int8 multiply bf16 activations
+by weights widened to floating point (``torch.ops.aten._weight_int4pack_mm_for_cpu``,
+``_weight_int8pack_mm``), w4a8 and w8a8 quantize the activations to int8 per group of 64 and multiply
+integers. Sections (``--only``):
+
+- ``fixed``: a tiny product (16 outputs x 64 inputs) at 1 row, as the model calls it (a
+  ``QuantizedLinear`` with a bias, bf16 rows in and out): what a call costs besides its arithmetic,
+  us, best of 2000 calls a round (a GPT-2 decode step makes 49 products);
+- ``products``: one product of GPT-2 small's c_attn shape (2304 x 768, with its bias) at 1, 4, 20 and
+  80 rows, the same way, ms per call, best of 20 calls a round;
+- ``prefill``: the prefill of a 20- and an 80-token prompt on ``gpt2-random``, best of 3 a round;
+- ``decode``: batch-1 greedy decoding on ``gpt2-random``, eager, ms/token over 32 tokens after a
+  32-token prompt (``lab.decode.greedy_ms_per_token``).
+
+Configurations are interleaved round by round (``lab.measure.interleaved``); the median over rounds
+and each pair's weight-only / integer ratio are reported, with the machine, the load and the wait policy.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from json import dumps
+from pathlib import Path
+
+import torch
+
+from lab import flags, intmm
+from lab.blocks import BlockSet
+from lab.decode import Decoder, greedy_ms_per_token
+from lab.machine import cpu_description
+from lab.measure import interleaved
+from lab.quantize import QuantizedLinear
+from lab.threads import USER_WAIT_POLICY
+from lab.weights import load_model
+
+PAIRS = (("int4", "w4a8"), ("int8", "w8a8"))
+"""Torch's weight-only kernel and the integer product on the same weights."""
+DTYPES = tuple(dtype for pair in PAIRS for dtype in pair)
+ROWS = (1, 4, 20, 80)
+PROMPTS = (20, 80)
+SECTIONS = ("fixed", "products", "prefill", "decode")
+
+
+def best_ms(call, repeats: int = 20) -> float:
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def layer_measures(name: str, n: int, k: int, rows: tuple[int, ...], repeats: int, unit: float) -> dict:
+    """One product of [n, k] weights with a bias in each dtype, at each count of ``rows``: best of
+    ``repeats`` calls, in ms times ``unit``."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(n, k) * 0.05, torch.randn(n) * 0.01
+    layers = {dtype: QuantizedLinear(weight, bias, dtype) for dtype in DTYPES}
+    measures = {}
+    for count in rows:
+        x = torch.randn(count, k).to(torch.bfloat16)  # [rows, K]: the model's activations
+        for dtype, layer in layers.items():
+            measures[f"{name} {count} rows {dtype}"] = lambda layer=layer, x=x: (
+                unit * timed(layer, x, repeats)
+            )
+    return measures
+
+
+@torch.inference_mode()
+def timed(layer: QuantizedLinear, x: torch.Tensor, repeats: int) -> float:
+    return best_ms(lambda: layer(x), repeats)
+
+
+def model_measures(sections: tuple[str, ...]) -> dict:
+    models = {dtype: load_model("gpt2-random", dtype) for dtype in DTYPES}
+    measures = {}
+    if "prefill" in sections:
+        for length in PROMPTS:
+            prompt = list(range(100, 100 + length))
+            for dtype, model in models.items():
+                measures[f"prefill {length} tokens {dtype}"] = lambda m=model, p=prompt: best_ms(
+                    lambda: Decoder(m, max_len=128).prefill(p), repeats=3
+                )
+    if "decode" in sections:
+        prompt = torch.randint(0, 50257, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+        for dtype, model in models.items():
+            measures[f"decode ms/token {dtype}"] = lambda m=model: greedy_ms_per_token(
+                m, BlockSet(), prompt, 32
+            )
+    return measures
+
+
+def main(
+    threads: tuple[int, ...] = (1, 2),
+    rounds: int = 7,
+    only: tuple[str, ...] = SECTIONS,
+    json: Path | None = None,
+) -> None:
+    """Measure and print; write the JSON to ``json`` if given.
+
+    Args:
+        threads: Torch thread counts, each a run of its own.
+        rounds: Rounds; each times every configuration once.
+        only: Sections to run, of fixed, products, prefill, decode.
+        json: Also write the results here.
+    """
+    unavailable = intmm.unavailable()
+    if unavailable is not None:
+        raise SystemExit(unavailable)
+    if unknown := set(only) - set(SECTIONS):
+        raise SystemExit(f"--only: of {', '.join(SECTIONS)}, not {', '.join(sorted(unknown))}")
+    results = {
+        "machine": cpu_description(),
+        "torch": torch.__version__,
+        "rounds": rounds,
+        "wait_policy": {name: os.environ.get(name) for name in USER_WAIT_POLICY},
+        "runs": [],
+    }
+    for count in threads:
+        torch.set_num_threads(count)
+        load_before = os.getloadavg()
+        measures = {}
+        if "fixed" in only:
+            measures |= layer_measures("fixed cost (us), 16 x 64,", 16, 64, (1,), 2000, 1e3)
+        if "products" in only:
+            measures |= layer_measures("c_attn (2304 x 768)", 2304, 768, ROWS, 20, 1.0)
+        measures |= model_measures(only)
+        ms = {name: statistics.median(values) for name, values in interleaved(measures, rounds).items()}
+        ratios = {}
+        for weight_only, integer in PAIRS:
+            for name in [name.removesuffix(f" {integer}") for name in ms if name.endswith(f" {integer}")]:
+                slow, fast = ms[f"{name} {weight_only}"], ms[f"{name} {integer}"]
+                ratios[f"{name} {weight_only} / {integer}"] = slow / fast
+                print(
+                    f"{count} thread(s), {name:>36}: {weight_only} {slow:8.3f}, "
+                    f"{integer} {fast:8.3f}, {slow / fast:.2f}x"
+                )
+        run = {"threads": count, "load_before": load_before, "load_after": os.getloadavg(), "ms": ms}
+        results["runs"].append(run | {"weight_only_over_integer": ratios})
+    text = dumps(results, indent=2)
+    print(text)
+    if json:
+        json.write_text(text)
+
+
+if __name__ == "__main__":
+    flags.call(main)
