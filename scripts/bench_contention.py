@@ -31,15 +31,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from lab import flags, threads
 from lab.machine import cpu_description
 
-WAYS = ("spin", "yield", "bounded")
 Way = Literal["spin", "yield", "bounded"]
+WAYS = get_args(Way)
 Job = Literal["train", "decode"]
-JOBS = ("train", "decode")
+JOBS = get_args(Job)
 
 
 def measure_train(steps: int, tuner) -> list[float]:
