@@ -5,13 +5,15 @@
     y = intmm.w4a8_matmul(x, packed, scales, zeros, bias)              # x [M, K] -> y [M, N]
     y = intmm.w8a8_matmul(x, values, scales, bias)                     # lab.quantize's int8 rows
     intmm.unavailable()                                                # None, or why not here
+    intmm.instruction_set()                                            # "avx2" or "avx512-vnni"
 
 torch's int4 and int8 kernels (``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``) multiply
 bf16 activations by weights widened to floating point; llama.cpp's q4_0 and q8_0 instead quantize the
-activations to int8 per block and multiply integers, which AVX2 does 32 at a time
-(``lab/kernels/intmm.c`` says how, for both). torch ships no such kernel for the CPU; torchao (on the
-registry) has int8-activation CPU kernels aimed at AVX-512 and AMX, not tried here. So they are
-written here, in one C file.
+activations to int8 per block and multiply integers, which AVX2 does 32 at a time and AVX-512 VNNI
+64 at a time in one instruction (``lab/kernels/intmm.c`` says how, for both products in both).
+torch ships no such kernel for the CPU; torchao (on the registry) has int8-activation CPU kernels
+aimed at AVX-512 and AMX, not tried here. So they are written here, in one C file, which picks the
+instruction set when it loads (``instruction_set``).
 
 x, the bias and y are float32 or bfloat16 (the model's activations), read and written as they are;
 other dtypes are taken as float32. The bias is added before y is rounded to bf16.
@@ -41,6 +43,8 @@ import torch
 
 GROUP = 64
 """Inputs sharing an activation scale (and in w4a8, a weight scale and zero point)."""
+INSTRUCTION_SETS = ("avx2", "avx512-vnni")
+"""What the kernels are written in; the library takes the last one this CPU has."""
 
 SOURCE = Path(__file__).parent / "kernels" / "intmm.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
@@ -120,6 +124,15 @@ def unavailable() -> str | None:
     return None
 
 
+def instruction_set(choose: str | None = None) -> str:
+    """The instruction set the products use, of ``INSTRUCTION_SETS``; ``choose`` one to use it from
+    now on, in this process (a CPU without AVX-512 VNNI keeps AVX2): to compare the two on one CPU."""
+    if choose is not None and choose not in INSTRUCTION_SETS:
+        raise ValueError(f"instruction set: one of {', '.join(INSTRUCTION_SETS)}, not {choose!r}")
+    request = -1 if choose is None else INSTRUCTION_SETS.index(choose)
+    return INSTRUCTION_SETS[_library().intmm_isa(request)]
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -138,6 +151,7 @@ def _library() -> ctypes.CDLL:
             subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True)
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
+    library.intmm_isa.restype, library.intmm_isa.argtypes = ctypes.c_int, [ctypes.c_int]
     for kernel in (_W4A8, _W8A8):
         function = getattr(library, kernel.name)
         function.restype = ctypes.c_int

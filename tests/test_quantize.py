@@ -28,6 +28,20 @@ INTEGER = [pytest.param("w4a8", marks=NO_KERNELS), pytest.param("w8a8", marks=NO
 QUANTIZED = ["int8", "int4", *INTEGER]
 
 
+@pytest.fixture(params=intmm.INSTRUCTION_SETS)
+def instruction_set(request):
+    """The kernels in each instruction set this CPU has (the others skip), the default restored after."""
+    if (reason := intmm.unavailable()) is not None:
+        pytest.skip(reason)
+    default = intmm.instruction_set()
+    chosen = intmm.instruction_set(request.param)
+    if chosen != request.param:
+        intmm.instruction_set(default)
+        pytest.skip(f"this CPU has no {request.param}")
+    yield chosen
+    intmm.instruction_set(default)
+
+
 def tiny_model(norm: str = "pre") -> GPT:
     torch.manual_seed(0)
     return GPT(replace(CFG, norm=norm)).eval()
@@ -198,16 +212,17 @@ def integer_product(kind: str, weight: torch.Tensor):
 
 
 @pytest.mark.parametrize("kind", INTEGER)
-@pytest.mark.parametrize("k", [64, 768])
-def test_integer_kernel_is_its_definition_and_rows_are_alone(kind, k):
-    """The C kernel computes what its header says (against float64), with outputs of any count,
-    and each row's result is bit for bit the same alone or among 1 to 8 others (batch invariance)."""
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (37, 768), (6, 1088)])
+def test_integer_kernel_is_its_definition_and_rows_are_alone(kind, n, k, instruction_set):
+    """The C kernel computes what its header says (against float64), with outputs of any count (tiles
+    of 4 and what is left) and groups of any count (1088: 17, one past a vector of 16), and each row's
+    result is bit for bit the same alone or among 1 to 8 others (batch invariance)."""
     torch.manual_seed(0)
-    product, reference = integer_product(kind, torch.randn(37, k) * 0.05)
+    product, reference = integer_product(kind, torch.randn(n, k) * 0.05)
     x = torch.randn(9, k)
     x[2] = 0.0  # a row of zeros: its activation scale is 0
     y = product(x)
-    assert y.shape == (9, 37) and y.dtype == torch.float32
+    assert y.shape == (9, n) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), reference(x), rtol=1e-5, atol=1e-5)
     assert not y[2].any()
     for rows in (1, 3, 4, 5):
@@ -216,7 +231,7 @@ def test_integer_kernel_is_its_definition_and_rows_are_alone(kind, k):
 
 
 @pytest.mark.parametrize("kind", INTEGER)
-def test_integer_kernel_reads_and_writes_bf16(kind):
+def test_integer_kernel_reads_and_writes_bf16(kind, instruction_set):
     """bf16 x is read as it is (its values exactly), the bias added in float32 and y rounded once to
     bf16 as torch rounds; a strided x is made dense first; other dtypes are taken as float32."""
     torch.manual_seed(0)
@@ -231,7 +246,7 @@ def test_integer_kernel_reads_and_writes_bf16(kind):
 
 
 @pytest.mark.parametrize("kind", INTEGER)
-def test_integer_products_compile_as_custom_ops(kind):
+def test_integer_products_compile_as_custom_ops(kind, instruction_set):
     """Inside torch.compile each product is its custom op (``blocklab::w4a8_mm``, ``w8a8_mm``), bias
     included: eager's numbers bit for bit."""
     torch.manual_seed(0)
@@ -239,6 +254,20 @@ def test_integer_products_compile_as_custom_ops(kind):
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
     assert torch.equal(compiled(x), layer(x))
+
+
+@NO_KERNELS
+def test_the_instruction_set_is_chosen_by_name():
+    """The default is the best this CPU has; a name not among INSTRUCTION_SETS is refused."""
+    default = intmm.instruction_set()
+    assert default in intmm.INSTRUCTION_SETS
+    try:
+        assert intmm.instruction_set("avx2") == "avx2"
+        assert intmm.instruction_set("avx512-vnni") == default
+    finally:
+        intmm.instruction_set(default)
+    with pytest.raises(ValueError, match="one of avx2, avx512-vnni, not 'sse4'"):
+        intmm.instruction_set("sse4")
 
 
 @pytest.mark.parametrize(("kind", "weight_only"), [("w4a8", "int4"), ("w8a8", "int8")])

@@ -26,8 +26,18 @@
  * model's activations: read and written here, a conversion each way fewer per call). y is rounded to
  * bf16 once, after the bias is added, to nearest even as torch rounds.
  *
- * Each output is computed by one thread in a fixed order whatever M is, so a row's result does not
- * depend on the other rows (batch invariance). Built by lab/intmm.py with -fopenmp against the
+ * Two instruction sets, chosen when the library loads (intmm_isa): AVX2 as above, or where the CPU
+ * has AVX-512 with VNNI, 512-bit registers (a group of 64 bytes is one register) and dpbusd, which
+ * multiplies unsigned by signed bytes and sums each four into an int32 lane in one instruction. There
+ * w4a8's codes are the unsigned operand as they are; w8a8's values are signed, so the activations
+ * are offset to unsigned (q + 128) and 128 * sum value taken back out: the same integer dot products
+ * as AVX2's. The AVX-512 kernels also work on tiles of up to 4 rows by 4 outputs, so one load of the
+ * weights serves 4 rows and one of the activations 4 outputs, and 4 outputs' sums proceed at once
+ * (one row alone still keeps 4 multiply-add chains in flight); the activations are quantized 16 at a
+ * time.
+ *
+ * Each output is computed by one thread in a fixed order whatever M is and whichever tile it falls
+ * in, so a row's result does not depend on the other rows (batch invariance). Built by lab/intmm.py with -fopenmp against the
  * libgomp that torch has loaded already: the parallel loops run in torch's own OpenMP threads.
  */
 #include <immintrin.h>
@@ -37,6 +47,10 @@
 #include <string.h>
 
 #define GROUP 64
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+/* The instruction set the products use: 0 AVX2, 1 AVX-512 with VNNI; -1 until first asked. */
+static int isa = -1;
 
 static inline float bf16_to_float(uint16_t half) {
   const uint32_t bits = (uint32_t)half << 16; /* bf16 is float32's upper half */
@@ -88,6 +102,8 @@ static void quantize_rows(const void *x, int bf16, int64_t M, int64_t K, const s
   }
 }
 
+static void quantize_rows_avx512(const void *x, int bf16, int64_t M, int64_t K, const struct activations *a);
+
 /* Allocate *a for M x K inputs (with offsets and sums if `sums`) and quantize x into it. Returns 0,
  * or -1 when there is no memory (malloc here: a tensor each from Python cost more per call). */
 static int quantize(const void *x, int bf16, int64_t M, int64_t K, int sums, struct activations *a) {
@@ -101,7 +117,10 @@ static int quantize(const void *x, int bf16, int64_t M, int64_t K, int sums, str
   }
   a->offset = sums ? a->scale + per_group : NULL;
   a->sum = sums ? a->scale + 2 * per_group : NULL;
-  quantize_rows(x, bf16, M, K, a);
+  if (isa == 1)
+    quantize_rows_avx512(x, bf16, M, K, a);
+  else
+    quantize_rows(x, bf16, M, K, a);
   return 0;
 }
 
@@ -209,6 +228,155 @@ static inline __attribute__((always_inline)) void each_row(rows_kernel *rows, in
   }
 }
 
+/* AVX-512 with VNNI: the same products on 512-bit registers, in tiles of ROWS x COLS (at most 4 x 4). */
+#define TILE_INLINE static inline AVX512 __attribute__((always_inline))
+
+/* As quantize_rows, 16 inputs at a time; the codes are the same, the sums' rounding may differ. */
+static AVX512 void quantize_rows_avx512(const void *x, int bf16, int64_t M, int64_t K, const struct activations *a) {
+  const int64_t G = K / GROUP;
+  for (int64_t i = 0; i < M * G; ++i) {
+    __m512 v[4];
+    for (int j = 0; j < 4; ++j) {
+      const int64_t at = i * GROUP + 16 * j;
+      if (bf16) {
+        const __m256i halves = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at));
+        v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+      } else {
+        v[j] = _mm512_loadu_ps((const float *)x + at);
+      }
+    }
+    const __m512 magnitude = _mm512_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])),
+                                           _mm512_max_ps(_mm512_abs_ps(v[2]), _mm512_abs_ps(v[3])));
+    const float s = _mm512_reduce_max_ps(magnitude) / 127.f;
+    const __m512 inv = _mm512_set1_ps(s > 0.f ? 1.f / s : 0.f);
+    __m512i total = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], inv)); /* to nearest even, as nearbyintf */
+      total = _mm512_add_epi32(total, codes);
+      _mm_storeu_si128((__m128i *)(a->q + i * GROUP + 16 * j), _mm512_cvtepi32_epi8(codes));
+    }
+    a->scale[i] = s;
+    if (a->sum != NULL) {
+      a->offset[i] = 8.f * s * (float)_mm512_reduce_add_epi32(total);
+      a->sum[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(v[0], v[1]), _mm512_add_ps(v[2], v[3])));
+    }
+  }
+}
+
+TILE_INLINE void w4a8_tile(const int ROWS, const int COLS, int64_t m0, int64_t n0, const struct product *p) {
+  const int64_t G = p->K / GROUP;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const __m512i high_half = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0); /* bits to shift each 64-bit lane */
+  const uint8_t *packed = (const uint8_t *)p->weights;
+  __m512 acc[4][4];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i codes[4]; /* inputs 0..31 from the low nibbles, 32..63 from the high ones */
+    __m512 scales[4];
+    for (int c = 0; c < COLS; ++c) {
+      const __m256i bytes = _mm256_loadu_si256((const __m256i *)(packed + ((n0 + c) * G + g) * (GROUP / 2)));
+      codes[c] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(bytes), high_half), low_nibbles);
+      scales[c] = _mm512_set1_ps(p->scales[(n0 + c) * G + g]);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t at = (m0 + r) * G + g;
+      const __m512i q = _mm512_loadu_si512(p->a.q + at * GROUP);
+      const __m512 a_scale = _mm512_set1_ps(p->a.scale[at]);
+      for (int c = 0; c < COLS; ++c) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[c], q); /* [16] int32 */
+        acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(scales[c], a_scale), _mm512_cvtepi32_ps(dot), acc[r][c]);
+      }
+    }
+  }
+  /* the zeros' and the codes' offset's share, 16 groups at a time, into the same lanes */
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 lanes = G - g >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 sums = _mm512_maskz_loadu_ps(lanes, p->a.sum + (m0 + r) * G + g);
+      const __m512 offsets = _mm512_maskz_loadu_ps(lanes, p->a.offset + (m0 + r) * G + g);
+      for (int c = 0; c < COLS; ++c) {
+        const int64_t at = (n0 + c) * G + g;
+        acc[r][c] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, p->zeros + at), sums, acc[r][c]);
+        acc[r][c] = _mm512_fnmadd_ps(_mm512_maskz_loadu_ps(lanes, p->scales + at), offsets, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) store(p, m0 + r, n0 + c, _mm512_reduce_add_ps(acc[r][c]));
+}
+
+TILE_INLINE void w8a8_tile(const int ROWS, const int COLS, int64_t m0, int64_t n0, const struct product *p) {
+  const int64_t G = p->K / GROUP;
+  const __m512i offset = _mm512_set1_epi8((char)0x80); /* q + 128 as unsigned: q XOR 0x80 */
+  const int8_t *values = (const int8_t *)p->weights;
+  __m512 acc[4][4];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i w[4], minus_offset[4]; /* the group's values, and -128 * their sum per 4 (one int32 lane) */
+    for (int c = 0; c < COLS; ++c) {
+      w[c] = _mm512_loadu_si512(values + (n0 + c) * p->K + g * GROUP);
+      minus_offset[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, _mm512_sub_epi8(_mm512_setzero_si512(), w[c]));
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t at = (m0 + r) * G + g;
+      const __m512i q = _mm512_xor_si512(_mm512_loadu_si512(p->a.q + at * GROUP), offset);
+      const __m512 scale = _mm512_set1_ps(p->a.scale[at]);
+      for (int c = 0; c < COLS; ++c) {
+        const __m512i dot = _mm512_dpbusd_epi32(minus_offset[c], q, w[c]); /* [16] int32: sum q * value */
+        acc[r][c] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) store(p, m0 + r, n0 + c, p->scales[n0 + c] * _mm512_reduce_add_ps(acc[r][c]));
+}
+
+/* Every row's outputs n0 .. n0 + COLS - 1, 4 rows at a time: TILE(ROWS, COLS) with both constants. */
+#define EACH_ROW(TILE, COLS, n0, p)                                   \
+  do {                                                                \
+    int64_t m0 = 0;                                                   \
+    for (; m0 + 4 <= (p)->M; m0 += 4) TILE(4, COLS, m0, n0, p);       \
+    switch ((p)->M - m0) {                                            \
+      case 3: TILE(3, COLS, m0, n0, p); break;                        \
+      case 2: TILE(2, COLS, m0, n0, p); break;                        \
+      case 1: TILE(1, COLS, m0, n0, p); break;                        \
+    }                                                                 \
+  } while (0)
+
+/* Outputs n0 .. n0 + 3 (fewer at the end) of every row. */
+#define EACH_TILE(TILE, n0, p)                                        \
+  switch ((p)->N - (n0) < 4 ? (p)->N - (n0) : 4) {                    \
+    case 4: EACH_ROW(TILE, 4, n0, p); break;                          \
+    case 3: EACH_ROW(TILE, 3, n0, p); break;                          \
+    case 2: EACH_ROW(TILE, 2, n0, p); break;                          \
+    case 1: EACH_ROW(TILE, 1, n0, p); break;                          \
+  }
+
+static AVX512 void w4a8_avx512(const struct product *p) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < p->N; n0 += 4) EACH_TILE(w4a8_tile, n0, p);
+}
+
+static AVX512 void w8a8_avx512(const struct product *p) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < p->N; n0 += 4) EACH_TILE(w8a8_tile, n0, p);
+}
+
+static int avx512_vnni(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+/* The instruction set in use (request -1), or choose one: 0 AVX2, 1 AVX-512 VNNI where the CPU has
+ * it (AVX2 where not). The first call picks the best this CPU has. Returns the one in use. */
+int intmm_isa(int request) {
+  if (request >= 0 || isa < 0) isa = request == 0 ? 0 : avx512_vnni();
+  return isa;
+}
+
 /* The two products below differ in their weights' layout only, but each has its own parallel loop:
  * GCC outlines an OpenMP region before it inlines, so a loop shared through a function would call
  * the rows' kernel through a pointer, with ROWS no longer a constant. */
@@ -218,7 +386,12 @@ static inline __attribute__((always_inline)) void each_row(rows_kernel *rows, in
 int w4a8_mm(const void *x, int64_t M, int64_t K, int bf16, const uint8_t *packed, const float *scales,
             const float *zeros, int64_t N, const void *bias, void *y) {
   struct product p = {M, K, N, {0}, packed, scales, zeros, bias, y, bf16};
+  if (isa < 0) intmm_isa(-1);
   if (quantize(x, bf16, M, K, 1, &p.a) != 0) return -1;
+  if (isa == 1) {
+    w4a8_avx512(&p);
+    return release(&p.a);
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) each_row(w4a8_rows, n, &p);
   return release(&p.a);
@@ -228,7 +401,12 @@ int w4a8_mm(const void *x, int64_t M, int64_t K, int bf16, const uint8_t *packed
 int w8a8_mm(const void *x, int64_t M, int64_t K, int bf16, const int8_t *values, const float *scales,
             int64_t N, const void *bias, void *y) {
   struct product p = {M, K, N, {0}, values, scales, NULL, bias, y, bf16};
+  if (isa < 0) intmm_isa(-1);
   if (quantize(x, bf16, M, K, 0, &p.a) != 0) return -1;
+  if (isa == 1) {
+    w8a8_avx512(&p);
+    return release(&p.a);
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) each_row(w8a8_rows, n, &p);
   return release(&p.a);
