@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 import types
 import weakref
 from collections import Counter
@@ -370,6 +371,31 @@ class FastDecode:
                 torch.compile(step, fullgraph=True, dynamic=False, backend=self.backend, options=options)
             )
         return self.steps[key]
+
+
+def warm_up(
+    model: GPT, lengths: Sequence[int], thread_counts: Sequence[int], block_set: BlockSet | None = None
+) -> float:
+    """Build ``model``'s fast step under ``block_set`` (default: every block) for the bucket of each of
+    ``lengths`` (prompt + new tokens) at each of ``thread_counts``, so that no request waits for it: a
+    compiled step's first call compiles, or loads what inductor cached on disk, and a thread count
+    not seen yet is its own graph (``WarmGraph``). Returns the seconds it took (0 if ``block_set``
+    does not take the fast path); torch's thread count is left as it was."""
+    from lab.decode import Decoder  # here: lab.decode reads model.fast, made by this module
+
+    start, threads = time.perf_counter(), torch.get_num_threads()
+    try:
+        for count in thread_counts:
+            torch.set_num_threads(count)
+            for length in sorted({bucket(n, model.config.block_size) for n in lengths}):
+                decoder = Decoder(model, block_set, max_len=length)
+                if decoder.fast is None:
+                    return 0.0
+                decoder.prefill([0])
+                decoder.fast_step(0)
+    finally:
+        torch.set_num_threads(threads)
+    return time.perf_counter() - start
 
 
 def accelerate(model: GPT, mode: Mode | None = None, capture=cuda_capture) -> GPT:

@@ -6,6 +6,7 @@ invariance).
     python scripts/bench_serve.py --json                            # the numbers as JSON
     python scripts/bench_serve.py --only scheduling --models gpt2-random:int4 builtin:float32
     python scripts/bench_serve.py --only overhead --overhead-requests 150   # section 1 alone, a minute
+    python scripts/bench_serve.py --only restart                    # section 5 alone (not in the default run)
 
 1. Overhead at batch 1: the same one-token request to a tiny random model
    (``serve.process.save_tiny_model``), in-process (``serve.schema.resolve`` and the worker's engine,
@@ -31,6 +32,12 @@ invariance).
    - one prompt scored and sampled alone and inside 8 mixed requests: the largest loss difference
      and whether the seeded tokens are the same;
    - 8 clients against 1: requests per second, with and without ``--no-batch-invariant``.
+
+5. Restarts with ``--compile`` (``--only restart``: minutes, so not part of the default run), on
+   ``--restart-model``: a server started on an empty compile cache (what a new machine pays), then
+   restarted on the cache it left, then restarted with ``--warm-up []``; for each its start-up time
+   (until ``/health`` is ready), its first request (greedy, 32 new tokens) and the p50 of the
+   ``--requests`` after it. Target: the first request after a restart within 2x a warm one.
 
 Every number is measured in this run against a baseline of this run; the machine's load average is
 reported with them, because on a shared CPU it moves them. The requests go through ``serve.client``,
@@ -76,8 +83,10 @@ class BenchOptions:
     """New tokens per request of the throughput section."""
     models: list[str] = field(default_factory=lambda: ["gpt2-random:int4", "builtin:float32"])
     """MODEL:DTYPE servers for the scheduler section."""
-    only: Literal["scheduling", "overhead"] | None = None
-    """Run one section."""
+    restart_model: str = "gpt2-random:w4a8"
+    """MODEL:DTYPE of the restart section."""
+    only: Literal["scheduling", "overhead", "restart"] | None = None
+    """Run one section (restart runs only when named)."""
     json: bool = False
     """Print the numbers as JSON."""
 
@@ -324,6 +333,47 @@ async def scheduling(model: str, dtype: str, invariant: bool = True) -> dict:
     return result
 
 
+RESTART_TOKENS = 32
+
+
+async def first_and_warm(url: str, requests: int) -> tuple[float, float]:
+    """A server's first request and the p50 of ``requests`` after it, end to end, ms."""
+    body = streamed({"prompt": PROMPT, "seed": 0, "ignore_eos": True}, max_new_tokens=RESTART_TOKENS)
+    async with httpx.AsyncClient(base_url=url, timeout=1800.0) as http:
+        first = (await answered(http, body)).latency_s
+        warm = [(await answered(http, body)).latency_s for _ in range(requests)]
+    return first * 1000.0, p50_ms(warm)
+
+
+def restarts(spec: str, requests: int) -> dict:
+    """Section 5 of the module docstring, on an empty inductor cache of its own."""
+    model, _, dtype = spec.partition(":")
+    args = ["--model", model, "--dtype", dtype or "float32", "--compile"]
+    starts = {"new machine": [], "restart": [], "restart without warm-up": ["--warm-up", "[]"]}
+    runs = {}
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # the servers inherit it
+        try:
+            for name, extra in starts.items():
+                start = time.perf_counter()
+                with ServerProcess(args + extra, startup_timeout=1800.0) as server:
+                    started = time.perf_counter() - start
+                    first, warm = asyncio.run(first_and_warm(server.url, requests))
+                runs[name] = {
+                    "start_s": round(started, 1),
+                    "first_request_ms": round(first, 1),
+                    "warm_p50_ms": round(warm, 1),
+                    "first_over_warm": round(first / warm, 2),
+                }
+        finally:
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+    return {"model": spec, "new_tokens": RESTART_TOKENS, "runs": runs}
+
+
 def _print_scheduling(r: dict) -> None:
     mode = "batch-invariant" if r["batch_invariant"] else "shared products"
     print(f"scheduler, {r['model']} {r['dtype']} ({mode}); decode step {r['decode_step_ms']:.1f} ms")
@@ -365,8 +415,10 @@ def main(argv: list[str] | None = None) -> int:
             results["overhead"] = overhead(args.overhead_requests, save_tiny_model(Path(scratch) / "tiny"))
     if args.only is None:
         results["batching"] = asyncio.run(throughput_and_skips(args.requests, args.clients, args.new_tokens))
+    if args.only == "restart":
+        results["restart"] = restarts(args.restart_model, args.requests)
     results["scheduling"] = []
-    for spec in args.models if args.only != "overhead" else []:
+    for spec in args.models if args.only in (None, "scheduling") else []:
         model, _, dtype = spec.partition(":")
         for invariant in (True, False):
             results["scheduling"].append(asyncio.run(scheduling(model, dtype or "float32", invariant)))
@@ -378,6 +430,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average (1 min): {before:.2f} before, {after:.2f} after")
     for result in results["scheduling"]:
         _print_scheduling(result)
+    if "restart" in results:
+        r = results["restart"]
+        for name, run in r["runs"].items():
+            print(
+                f"{r['model']} --compile, {name}: ready in {run['start_s']:.1f} s, first request "
+                f"{run['first_request_ms']:.0f} ms, then p50 {run['warm_p50_ms']:.0f} ms "
+                f"({run['first_over_warm']:.2f}x; target <= 2 after a restart)"
+            )
     if "overhead" not in results:
         return 0
     o = results["overhead"]

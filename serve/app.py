@@ -92,7 +92,12 @@ class ServeConfig:
     matrix-matrix steps with many rows, equal up to rounding."""
     compile: bool = False
     """Decode each row through lab.fast's static-shape step (inductor on the CPU, CUDA graphs on a
-    GPU); a block set's first request waits while it compiles (kept on disk for restarts)."""
+    GPU), built at start for --warm-up's lengths; any other length or block set compiles on its
+    first request, which waits for it (kept on disk for restarts)."""
+    warm_up: tuple[int, ...] = (64, 128)
+    """With --compile: request lengths (prompt + new tokens) whose step under --default-blocks is
+    built at start, at every thread count the workers may use, before /health reports ready (each
+    length stands for its power-of-two bucket; `--warm-up []` builds nothing)."""
     max_in_flight: int = 64
     """Most requests admitted at once (queued or running); past it, 429 with Retry-After."""
     max_prompts_per_request: int | None = None
@@ -136,6 +141,8 @@ class ServeConfig:
         if self.dtype in QUANTIZED_DTYPES and self.accelerator not in ("auto", "cpu"):
             raise UserError(f"--dtype {self.dtype} runs on the CPU: use --accelerator cpu (or auto)")
         require_kernels(self.dtype)  # before any worker starts: the workers would fail one by one
+        if any(length < 1 for length in self.warm_up):
+            raise UserError("--warm-up: request lengths of at least 1")
         if min(self.max_batch_size, self.prefill_chunk, self.prefill_per_step) < 1:
             raise UserError("--max-batch-size, --prefill-chunk and --prefill-per-step must be at least 1")
         for name in (
@@ -195,6 +202,8 @@ def build(config: ServeConfig, model_factory: ModelFactory | None = None) -> Ser
         prefill_chunk=config.prefill_chunk,
         prefill_per_step=config.prefill_per_step,
         batch_invariant=config.batch_invariant,
+        warm_up=config.warm_up if config.compile else (),
+        warm_up_blocks=config.default_blocks,
         threads=config.threads,
         max_threads=max(1, len(allowed_cores()) // config.workers),
     )

@@ -93,6 +93,8 @@ class Worker:
         prefill_chunk: int = 64,
         prefill_per_step: int = 256,
         batch_invariant: bool = True,
+        warm_up: tuple[int, ...] = (),
+        warm_up_blocks: str | None = None,
     ):
         self.model_factory = model_factory
         self.shared = shared
@@ -105,6 +107,8 @@ class Worker:
         self.prefill_chunk = prefill_chunk
         self.prefill_per_step = prefill_per_step
         self.batch_invariant = batch_invariant
+        self.warm_up = warm_up  # request lengths whose fast step is built before the worker is ready
+        self.warm_up_blocks = warm_up_blocks  # under this block set (the server's default; None: all)
 
     def setup(self, device: str) -> None:
         """The worker process's setup, then ``load``."""
@@ -133,7 +137,24 @@ class Worker:
             prefill_per_step=self.prefill_per_step,
             batch_invariant=self.batch_invariant,
         )
+        if self.warm_up and getattr(self.model, "fast", None) is not None:
+            self.warm_up_fast_step()
         self.shared.publish(self.model)
+
+    def warm_up_fast_step(self) -> None:
+        """Build the fast step for ``warm_up``'s lengths at every thread count this worker may step at
+        (its fixed count, or each the tuner may choose), so that no request waits for a compile."""
+        from lab import fast
+        from lab.blocks import BlockSet
+
+        n_layer = self.model.config.n_layer
+        block_set = BlockSet.parse(self.warm_up_blocks, n_layer) if self.warm_up_blocks else BlockSet()
+        counts = range(1, self.tuner.most + 1) if self.tuner is not None else [torch.get_num_threads()]
+        seconds = fast.warm_up(self.model, self.warm_up, counts, block_set)
+        logger.info(
+            "fast step built for lengths %s at %s thread(s) in %.1f s",
+            ", ".join(map(str, self.warm_up)), ", ".join(map(str, counts)), seconds,
+        )  # fmt: skip
 
     def serve(self, inbox, outbox, worker_id: int) -> None:
         """The worker's loop (see the module docstring); after an order that is None, it finishes the

@@ -136,6 +136,21 @@ def test_a_compiled_step_follows_the_thread_count_as_the_tuner_changes_it():
     assert not quick.fast.fallbacks
 
 
+def test_warm_up_builds_each_buckets_step_at_each_thread_count_before_any_request():
+    """``fast.warm_up`` leaves one warm graph per bucket of the lengths given, warm at every thread
+    count given, and torch's thread count as it was; a request of those lengths then compiles nothing."""
+    quick = traced(tiny())
+    before = torch.get_num_threads()
+    assert fast.warm_up(quick, [20, 60, 100], [1, 2], BlockSet.parse("skip=1", N_LAYER)) > 0
+    assert torch.get_num_threads() == before
+    blocks = (0, 2, 3)
+    assert set(quick.fast.steps) == {("step", blocks, frozenset(), None, length) for length in (64, 128)}
+    assert all(step.warm_threads == {1, 2} for step in quick.fast.steps.values())
+    list(generate(quick, PROMPT, 4, block_set=BlockSet.parse("skip=1", N_LAYER)))
+    assert len(quick.fast.steps) == 2
+    assert fast.warm_up(quick, [20], [1], BlockSet.parse("adaptive=0.9;min=2", N_LAYER)) == 0  # eager: none
+
+
 def test_a_new_tuned_lens_is_read_through_by_the_compiled_steps():
     """The graphs skip their guards once warm; a lens attached after they compiled is still the one
     the next exit reads through (its tensors are the graph's inputs), as in the eager step."""

@@ -109,6 +109,24 @@ def test_worker_tunes_on_the_cpu_unless_told_the_threads():
     assert fixed.tuner is None
 
 
+def test_a_compiling_worker_builds_its_default_step_at_every_thread_count_it_may_use():
+    """``blocklab serve --compile``'s worker builds the step of --default-blocks for --warm-up's
+    lengths at each thread count its tuner may choose, before it reports ready (publishes the model)."""
+    from lab import fast
+
+    def factory(device):
+        model = fast.accelerate(TinyModel(n_layer=2)(device), "compile")
+        model.fast.backend = "eager"  # dynamo traces, inductor does not generate: seconds
+        return model
+
+    worker = Worker(factory, SharedState(4), max_threads=2, warm_up=(100,), warm_up_blocks="exit=1")
+    worker.choose_threads("cpu")
+    worker.load("cpu")
+    (key, step), = worker.model.fast.steps.items()
+    assert key == ("step", (0,), frozenset(), None, 128) and step.warm_threads == {1, 2}
+    assert worker.shared.limits() is not None
+
+
 def test_cli_sets_the_wait_policy_before_torch_loads():
     """The variable is in the environment by the time a command's module imports torch."""
     probe = (
