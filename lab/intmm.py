@@ -1,8 +1,8 @@
 """Integer matrix products on the CPU: activations quantized to int8 per group of 64, 4- or 8-bit weights.
 
     from lab import intmm
-    packed, scales, zeros = intmm.w4a8_pack(codes, scales_and_zeros)  # lab.quantize's int4 codes
-    y = intmm.w4a8_matmul(x, packed, scales, zeros, bias)              # x [M, K] -> y [M, N]
+    packed, scales_zeros = intmm.w4a8_pack(codes, scales_and_zeros)    # lab.quantize's int4 codes
+    y = intmm.w4a8_matmul(x, packed, scales_zeros, bias)                # x [M, K] -> y [M, N]
     y = intmm.w8a8_matmul(x, values, scales, bias)                     # lab.quantize's int8 rows
     intmm.unavailable()                                                # None, or why not here
     intmm.instruction_set()                                            # "avx2" or "avx512-vnni"
@@ -108,7 +108,7 @@ def _y_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
-_W4A8 = _Kernel("w4a8_mm", ("packed", "scales", "zeros"), 2, torch.uint8)
+_W4A8 = _Kernel("w4a8_mm", ("packed", "scales_zeros"), 2, torch.uint8)
 _W8A8 = _Kernel("w8a8_mm", ("values", "scales"), 1, torch.int8)
 
 
@@ -163,27 +163,23 @@ def _library() -> ctypes.CDLL:
     return library
 
 
-def w4a8_pack(
-    codes: torch.Tensor, scales_and_zeros: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def w4a8_pack(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """lab.quantize's int4 codes [N, K] (0..15) and scales_and_zeros [K / 64, N, 2] -> the kernel's
-    packed weights [N, K / 2] uint8 and its scales and zeros, float32 [N, K / 64] each."""
+    packed weights [N, K / 2] uint8 and its (scale, zero) pairs [N, K / 64, 2] in bf16, as torch's
+    int4 kernel keeps them: the same weights as int4."""
     n, k = codes.shape
     halves = codes.reshape(n, k // GROUP, 2, GROUP // 2).to(torch.uint8)  # [N, G, 2, 32]
     packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()  # [N, K / 2]
-    scales, zeros = scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [N, G] each
-    return packed, scales.contiguous(), zeros.contiguous()
+    scales_zeros = scales_and_zeros.to(torch.bfloat16).transpose(0, 1).contiguous()  # [N, G, 2]
+    return packed, scales_zeros
 
 
 def w4a8_matmul(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    bias: torch.Tensor | None = None,
+    x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M, K] times the packed 4-bit weights [N, K / 2] (``w4a8_pack``), + bias [N]: y [M, N]."""
-    return _W4A8(x, (packed, scales, zeros), bias)
+    """x [M, K] times the packed 4-bit weights [N, K / 2] and their bf16 (scale, zero) pairs
+    [N, K / 64, 2] (``w4a8_pack``), + bias [N]: y [M, N]."""
+    return _W4A8(x, (packed, scales_zeros), bias)
 
 
 def w8a8_matmul(

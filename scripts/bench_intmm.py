@@ -3,6 +3,7 @@
     python scripts/bench_intmm.py                     # 1 and 2 threads, 7 interleaved rounds
     python scripts/bench_intmm.py --threads 2 --rounds 9 --json intmm.json
     python scripts/bench_intmm.py --only products decode
+    python scripts/bench_intmm.py --instruction-sets avx2 avx512-vnni   # both kernels, on one CPU
 
 Each pair holds the same quantized weights (``lab.quantize``): int4 and int8 multiply bf16 activations
 by weights widened to floating point (``torch.ops.aten._weight_int4pack_mm_for_cpu``,
@@ -18,12 +19,16 @@ integers. Sections (``--only``):
 - ``decode``: batch-1 greedy decoding on ``gpt2-random``, eager, ms/token over 32 tokens after a
   32-token prompt (``lab.decode.greedy_ms_per_token``).
 
+With ``--instruction-sets``, each integer product runs in each of them (``lab.intmm.instruction_set``;
+each must be one this CPU has), each its own configuration, with the ratios of each to the first.
+
 Configurations are interleaved round by round (``lab.measure.interleaved``); the median over rounds
 and each pair's weight-only / integer ratio are reported, with the machine, the load and the wait policy.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -99,10 +104,29 @@ def model_measures(sections: tuple[str, ...]) -> dict:
     return measures
 
 
+def in_each(measures: dict, instruction_sets: tuple[str, ...]) -> dict:
+    """``measures`` with each integer product's measure once per instruction set (named ``NAME SET``)."""
+    integer = tuple(f" {integer}" for _, integer in PAIRS)
+    out = {}
+    for name, measure in measures.items():
+        if not name.endswith(integer) or not instruction_sets:
+            out[name] = measure
+            continue
+        for chosen in instruction_sets:
+            out[f"{name} {chosen}"] = functools.partial(in_set, chosen, measure)
+    return out
+
+
+def in_set(chosen: str, measure) -> float:
+    intmm.instruction_set(chosen)
+    return measure()
+
+
 def main(
     threads: tuple[int, ...] = (1, 2),
     rounds: int = 7,
     only: tuple[str, ...] = SECTIONS,
+    instruction_sets: tuple[str, ...] = (),
     json: Path | None = None,
 ) -> None:
     """Measure and print; write the JSON to ``json`` if given.
@@ -111,6 +135,8 @@ def main(
         threads: Torch thread counts, each a run of its own.
         rounds: Rounds; each times every configuration once.
         only: Sections to run, of fixed, products, prefill, decode.
+        instruction_sets: Run the integer products in each of these (of lab.intmm.INSTRUCTION_SETS);
+            default: the one the library chose.
         json: Also write the results here.
     """
     unavailable = intmm.unavailable()
@@ -118,10 +144,16 @@ def main(
         raise SystemExit(unavailable)
     if unknown := set(only) - set(SECTIONS):
         raise SystemExit(f"--only: of {', '.join(SECTIONS)}, not {', '.join(sorted(unknown))}")
+    default_set = intmm.instruction_set()
+    for chosen in instruction_sets:  # a set this CPU lacks would run as AVX2 under its name
+        if chosen not in intmm.INSTRUCTION_SETS or intmm.instruction_set(chosen) != chosen:
+            raise SystemExit(f"--instruction-sets: {chosen} is not one this CPU runs")
+    intmm.instruction_set(default_set)
     results = {
         "machine": cpu_description(),
         "torch": torch.__version__,
         "rounds": rounds,
+        "instruction_set": default_set,
         "wait_policy": {name: os.environ.get(name) for name in USER_WAIT_POLICY},
         "runs": [],
     }
@@ -134,16 +166,27 @@ def main(
         if "products" in only:
             measures |= layer_measures("c_attn (2304 x 768)", 2304, 768, ROWS, 20, 1.0)
         measures |= model_measures(only)
-        ms = {name: statistics.median(values) for name, values in interleaved(measures, rounds).items()}
+        ms = {
+            name: statistics.median(values)
+            for name, values in interleaved(in_each(measures, instruction_sets), rounds).items()
+        }
+        intmm.instruction_set(default_set)
         ratios = {}
+        suffixes = [f" {chosen}" for chosen in instruction_sets] or [""]
         for weight_only, integer in PAIRS:
-            for name in [name.removesuffix(f" {integer}") for name in ms if name.endswith(f" {integer}")]:
-                slow, fast = ms[f"{name} {weight_only}"], ms[f"{name} {integer}"]
-                ratios[f"{name} {weight_only} / {integer}"] = slow / fast
-                print(
-                    f"{count} thread(s), {name:>36}: {weight_only} {slow:8.3f}, "
-                    f"{integer} {fast:8.3f}, {slow / fast:.2f}x"
-                )
+            names = [name.removesuffix(f" {integer}") for name in measures if name.endswith(f" {integer}")]
+            for name in names:
+                slow = ms[f"{name} {weight_only}"]
+                for suffix in suffixes:
+                    fast = ms[f"{name} {integer}{suffix}"]
+                    ratios[f"{name} {weight_only} / {integer}{suffix}"] = slow / fast
+                    print(
+                        f"{count} thread(s), {name:>36}: {weight_only} {slow:8.3f}, "
+                        f"{integer}{suffix} {fast:8.3f}, {slow / fast:.2f}x"
+                    )
+                for suffix in suffixes[1:]:
+                    first, other = ms[f"{name} {integer}{suffixes[0]}"], ms[f"{name} {integer}{suffix}"]
+                    ratios[f"{name} {integer}{suffixes[0]} / {integer}{suffix}"] = first / other
         run = {"threads": count, "load_before": load_before, "load_after": os.getloadavg(), "ms": ms}
         results["runs"].append(run | {"weight_only_over_integer": ratios})
     text = dumps(results, indent=2)

@@ -83,8 +83,7 @@ def test_quantized_linear_is_the_product_with_its_dequantized_weight(kind, rows)
         dequantized = values.float() * layer.scales.float()[:, None]  # int8's bf16, w8a8's float32
     else:
         codes, scales_and_zeros = quantize_groups_int4(weight, layer.group_size)
-        if kind == "int4":  # torch's kernel takes bf16 scales and zeros, w4a8's float32
-            scales_and_zeros = scales_and_zeros.to(torch.bfloat16)
+        scales_and_zeros = scales_and_zeros.to(torch.bfloat16)  # both kernels keep bf16 scales and zeros
         dequantized = dequantize_int4(codes, scales_and_zeros)
     expected = x.to(torch.bfloat16).float() @ dequantized.t() + linear.bias.detach()  # [2, rows, 100]
     got = layer(x)
@@ -178,11 +177,12 @@ def quantized_inputs(x: torch.Tensor) -> torch.Tensor:
 
 
 def w4a8_reference(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """What w4a8_mm defines: the int8 inputs times the weights (code - 8) * scale + zero, with each
-    group's sum of x exact (the zeros multiply it). x [M, K] -> [M, N]."""
+    """What w4a8_mm defines: the int8 inputs times the weights (code - 8) * scale + zero, scale and
+    zero rounded to bf16 as int4's, with each group's sum of x exact (the zeros multiply it).
+    x [M, K] -> [M, N]."""
     m, k = x.shape
     q = quantized_inputs(x)  # [M, G, 64]
-    scales, zeros = scales_and_zeros.double().transpose(0, 1).unbind(-1)  # [N, G] each
+    scales, zeros = scales_and_zeros.to(torch.bfloat16).double().transpose(0, 1).unbind(-1)  # [N, G] each
     c = codes.double().reshape(codes.size(0), k // 64, 64) - 8  # [N, G, 64]
     products = torch.einsum("mgi,ngi->mng", q, c) * scales  # [M, N, G]
     return (products + x.double().reshape(m, k // 64, 64).sum(-1)[:, None, :] * zeros).sum(-1)  # [M, N]

@@ -15,7 +15,9 @@
  * (maddubs of the unsigned code and q: at most 2 * 15 * 127 a pair). Packed weights: [N, K / 2] bytes;
  * in each group of 64 inputs, byte j holds the code of input j in its low nibble and that of input
  * j + 32 in its high nibble, so one 32-byte load and two masks give the group's 64 codes in input
- * order. Scales and zeros: float32 [N, K / 64].
+ * order. Scales and zeros: bf16 pairs [N, K / 64, 2] (scale, then zero), torch's int4 kernel's
+ * precision: the same weights as --dtype int4, and the same bytes per weight (a decode step streams
+ * every weight once, so bytes are time).
  *
  * w8a8: w = value * scale, value in -127..127 [N, K] bytes, one float32 scale per output row [N], so
  *   y[m, n] = scale * sum over groups of a_scale * sum value * q
@@ -135,9 +137,9 @@ static int release(struct activations *a) {
 struct product {
   int64_t M, K, N;
   struct activations a;
-  const void *weights; /* w4a8: packed codes [N, K / 2]; w8a8: values [N, K] */
-  const float *scales; /* w4a8: [N, K / 64]; w8a8: [N] */
-  const float *zeros;  /* w4a8: [N, K / 64]; w8a8: NULL */
+  const void *weights;          /* w4a8: packed codes [N, K / 2]; w8a8: values [N, K] */
+  const float *scales;          /* w8a8: [N] */
+  const uint16_t *scales_zeros; /* w4a8: bf16 [N, K / 64, 2] */
   const void *bias;
   void *y;
   int bf16;
@@ -168,7 +170,7 @@ static inline __attribute__((always_inline)) void w4a8_rows(const int ROWS, int6
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t G = p->K / GROUP;
   const uint8_t *row = (const uint8_t *)p->weights + n * G * (GROUP / 2);
-  const float *scales = p->scales + n * G, *zeros = p->zeros + n * G;
+  const uint16_t *scales_zeros = p->scales_zeros + n * G * 2;
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < G; ++g) {
     const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + g * (GROUP / 2)));
@@ -181,7 +183,8 @@ static inline __attribute__((always_inline)) void w4a8_rows(const int ROWS, int6
       const __m256i q1 = _mm256_loadu_si256((const __m256i *)(qa + 32));
       const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(first, q0), _mm256_maddubs_epi16(second, q1));
       const __m256i dot = _mm256_madd_epi16(pairs, ones); /* [8] int32 */
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scales[g] * p->a.scale[at]), _mm256_cvtepi32_ps(dot), acc[r]);
+      const float scale = bf16_to_float(scales_zeros[2 * g]);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale * p->a.scale[at]), _mm256_cvtepi32_ps(dot), acc[r]);
     }
   }
   /* the zeros' and the codes' offset's share, out of the loop above: sum over g of
@@ -189,7 +192,8 @@ static inline __attribute__((always_inline)) void w4a8_rows(const int ROWS, int6
   for (int r = 0; r < ROWS; ++r) {
     const float *sums = p->a.sum + (m0 + r) * G, *offsets = p->a.offset + (m0 + r) * G;
     float rest = 0.f;
-    for (int64_t g = 0; g < G; ++g) rest += zeros[g] * sums[g] - scales[g] * offsets[g];
+    for (int64_t g = 0; g < G; ++g)
+      rest += bf16_to_float(scales_zeros[2 * g + 1]) * sums[g] - bf16_to_float(scales_zeros[2 * g]) * offsets[g];
     store(p, m0 + r, n, sum_lanes(acc[r]) + rest);
   }
 }
@@ -277,7 +281,7 @@ TILE_INLINE void w4a8_tile(const int ROWS, const int COLS, int64_t m0, int64_t n
     for (int c = 0; c < COLS; ++c) {
       const __m256i bytes = _mm256_loadu_si256((const __m256i *)(packed + ((n0 + c) * G + g) * (GROUP / 2)));
       codes[c] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(bytes), high_half), low_nibbles);
-      scales[c] = _mm512_set1_ps(p->scales[(n0 + c) * G + g]);
+      scales[c] = _mm512_set1_ps(bf16_to_float(p->scales_zeros[((n0 + c) * G + g) * 2]));
     }
     for (int r = 0; r < ROWS; ++r) {
       const int64_t at = (m0 + r) * G + g;
@@ -296,9 +300,12 @@ TILE_INLINE void w4a8_tile(const int ROWS, const int COLS, int64_t m0, int64_t n
       const __m512 sums = _mm512_maskz_loadu_ps(lanes, p->a.sum + (m0 + r) * G + g);
       const __m512 offsets = _mm512_maskz_loadu_ps(lanes, p->a.offset + (m0 + r) * G + g);
       for (int c = 0; c < COLS; ++c) {
-        const int64_t at = (n0 + c) * G + g;
-        acc[r][c] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, p->zeros + at), sums, acc[r][c]);
-        acc[r][c] = _mm512_fnmadd_ps(_mm512_maskz_loadu_ps(lanes, p->scales + at), offsets, acc[r][c]);
+        /* 16 (scale, zero) pairs as int32 lanes: the scale in the low half, the zero in the high */
+        const __m512i pairs = _mm512_maskz_loadu_epi32(lanes, p->scales_zeros + ((n0 + c) * G + g) * 2);
+        const __m512 scales = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        const __m512 zeros = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000)));
+        acc[r][c] = _mm512_fmadd_ps(zeros, sums, acc[r][c]);
+        acc[r][c] = _mm512_fnmadd_ps(scales, offsets, acc[r][c]);
       }
     }
   }
@@ -383,9 +390,9 @@ int intmm_isa(int request) {
 
 /* y [M, N] = x [M, K] times the packed 4-bit weights [N, K / 2] + bias. Returns 0, or -1 when the
  * activations' scratch could not be allocated. */
-int w4a8_mm(const void *x, int64_t M, int64_t K, int bf16, const uint8_t *packed, const float *scales,
-            const float *zeros, int64_t N, const void *bias, void *y) {
-  struct product p = {M, K, N, {0}, packed, scales, zeros, bias, y, bf16};
+int w4a8_mm(const void *x, int64_t M, int64_t K, int bf16, const uint8_t *packed, const uint16_t *scales_zeros,
+            int64_t N, const void *bias, void *y) {
+  struct product p = {M, K, N, {0}, packed, NULL, scales_zeros, bias, y, bf16};
   if (isa < 0) intmm_isa(-1);
   if (quantize(x, bf16, M, K, 1, &p.a) != 0) return -1;
   if (isa == 1) {
