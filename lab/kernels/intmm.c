@@ -49,6 +49,10 @@
 #include <string.h>
 
 #define GROUP 64
+/* How far ahead in its weights' stream each kernel asks for the cache line it will read: a decode
+ * step reads every weight once, from L3 or memory, and the hardware prefetcher alone left the
+ * products waiting on it (docs/inference.md has the measurement). */
+#define PREFETCH_BYTES 8192
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 /* The instruction set the products use: 0 AVX2, 1 AVX-512 with VNNI; -1 until first asked. */
@@ -174,6 +178,7 @@ static inline __attribute__((always_inline)) void w4a8_rows(const int ROWS, int6
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < G; ++g) {
     const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + g * (GROUP / 2)));
+    _mm_prefetch((const char *)(row + g * (GROUP / 2) + PREFETCH_BYTES), _MM_HINT_T0);
     const __m256i first = _mm256_and_si256(bytes, low_nibbles);                         /* inputs 0..31 */
     const __m256i second = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);  /* 32..63 */
     for (int r = 0; r < ROWS; ++r) {
@@ -206,6 +211,7 @@ static inline __attribute__((always_inline)) void w8a8_rows(const int ROWS, int6
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < G; ++g) {
     const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + g * GROUP));      /* inputs 0..31 */
+    _mm_prefetch((const char *)(row + g * GROUP + PREFETCH_BYTES), _MM_HINT_T0);
     const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + g * GROUP + 32)); /* 32..63 */
     const __m256i abs0 = _mm256_sign_epi8(w0, w0), abs1 = _mm256_sign_epi8(w1, w1);
     for (int r = 0; r < ROWS; ++r) {
@@ -280,6 +286,7 @@ TILE_INLINE void w4a8_tile(const int ROWS, const int COLS, int64_t m0, int64_t n
     __m512 scales[4];
     for (int c = 0; c < COLS; ++c) {
       const __m256i bytes = _mm256_loadu_si256((const __m256i *)(packed + ((n0 + c) * G + g) * (GROUP / 2)));
+      _mm_prefetch((const char *)(packed + ((n0 + c) * G + g) * (GROUP / 2) + PREFETCH_BYTES), _MM_HINT_T0);
       codes[c] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(bytes), high_half), low_nibbles);
       scales[c] = _mm512_set1_ps(bf16_to_float(p->scales_zeros[((n0 + c) * G + g) * 2]));
     }
@@ -324,6 +331,7 @@ TILE_INLINE void w8a8_tile(const int ROWS, const int COLS, int64_t m0, int64_t n
     __m512i w[4], minus_offset[4]; /* the group's values, and -128 * their sum per 4 (one int32 lane) */
     for (int c = 0; c < COLS; ++c) {
       w[c] = _mm512_loadu_si512(values + (n0 + c) * p->K + g * GROUP);
+      _mm_prefetch((const char *)(values + (n0 + c) * p->K + g * GROUP + PREFETCH_BYTES), _MM_HINT_T0);
       minus_offset[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, _mm512_sub_epi8(_mm512_setzero_si512(), w[c]));
     }
     for (int r = 0; r < ROWS; ++r) {
