@@ -13,7 +13,8 @@ use on the CPU, and this module puts them behind ``lab.model.Linear``'s interfac
 - int4: asymmetric, a scale and a zero point per group of 64 inputs of a row (32 where 64 does not divide)
   (``torch.ops.aten._weight_int4pack_mm_for_cpu``, weights packed two per byte);
 - w4a8: int4's weights and groups of 64, each product's input quantized to int8 per group of 64 (one
-  scale each) and multiplied in integers (``lab.intmm``, llama.cpp's q4_0 x q8_0 scheme; AVX2);
+  scale each) and multiplied in integers (``lab.intmm``, llama.cpp's q4_0 x q8_0 scheme; AVX2 or
+  AVX-512 VNNI);
 - w8a8: int8's weights and scales, the inputs quantized as w4a8's (``lab.intmm``, q8_0 x q8_0).
 
 Every ``Linear`` of the blocks becomes a ``QuantizedLinear`` and the tied unembedding gets a quantized
