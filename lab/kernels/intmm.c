@@ -178,7 +178,8 @@ static inline __attribute__((always_inline)) void w4a8_rows(const int ROWS, int6
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < G; ++g) {
     const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + g * (GROUP / 2)));
-    _mm_prefetch((const char *)(row + g * (GROUP / 2) + PREFETCH_BYTES), _MM_HINT_T0);
+    if (m0 == 0) _mm_prefetch((const char *)(row + g * (GROUP / 2) + PREFETCH_BYTES), _MM_HINT_T0);
+    const float scale = bf16_to_float(scales_zeros[2 * g]);
     const __m256i first = _mm256_and_si256(bytes, low_nibbles);                         /* inputs 0..31 */
     const __m256i second = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);  /* 32..63 */
     for (int r = 0; r < ROWS; ++r) {
@@ -188,19 +189,25 @@ static inline __attribute__((always_inline)) void w4a8_rows(const int ROWS, int6
       const __m256i q1 = _mm256_loadu_si256((const __m256i *)(qa + 32));
       const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(first, q0), _mm256_maddubs_epi16(second, q1));
       const __m256i dot = _mm256_madd_epi16(pairs, ones); /* [8] int32 */
-      const float scale = bf16_to_float(scales_zeros[2 * g]);
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale * p->a.scale[at]), _mm256_cvtepi32_ps(dot), acc[r]);
     }
   }
-  /* the zeros' and the codes' offset's share, out of the loop above: sum over g of
-   * zero * sum a  -  scale * 8 * a_scale * sum q  (the activations' offset holds the second factor) */
-  for (int r = 0; r < ROWS; ++r) {
-    const float *sums = p->a.sum + (m0 + r) * G, *offsets = p->a.offset + (m0 + r) * G;
-    float rest = 0.f;
-    for (int64_t g = 0; g < G; ++g)
-      rest += bf16_to_float(scales_zeros[2 * g + 1]) * sums[g] - bf16_to_float(scales_zeros[2 * g]) * offsets[g];
-    store(p, m0 + r, n, sum_lanes(acc[r]) + rest);
+  /* the zeros' and the codes' offset's share, out of the loop above, 8 groups at a time into the
+   * same lanes: sum over g of zero * sum a  -  scale * 8 * a_scale * sum q (the activations' offset
+   * holds the second factor) */
+  for (int64_t g = 0; g < G; g += 8) {
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(G - g)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    /* 8 (scale, zero) pairs as int32 lanes: the scale in the low half, the zero in the high */
+    const __m256i pairs = _mm256_maskload_epi32((const int *)(scales_zeros + 2 * g), lanes);
+    const __m256 scales = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+    const __m256 zeros = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000)));
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t at = (m0 + r) * G + g;
+      acc[r] = _mm256_fmadd_ps(zeros, _mm256_maskload_ps(p->a.sum + at, lanes), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(scales, _mm256_maskload_ps(p->a.offset + at, lanes), acc[r]);
+    }
   }
+  for (int r = 0; r < ROWS; ++r) store(p, m0 + r, n, sum_lanes(acc[r]));
 }
 
 static inline __attribute__((always_inline)) void w8a8_rows(const int ROWS, int64_t m0, int64_t n,
@@ -211,7 +218,7 @@ static inline __attribute__((always_inline)) void w8a8_rows(const int ROWS, int6
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < G; ++g) {
     const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + g * GROUP));      /* inputs 0..31 */
-    _mm_prefetch((const char *)(row + g * GROUP + PREFETCH_BYTES), _MM_HINT_T0);
+    if (m0 == 0) _mm_prefetch((const char *)(row + g * GROUP + PREFETCH_BYTES), _MM_HINT_T0);
     const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + g * GROUP + 32)); /* 32..63 */
     const __m256i abs0 = _mm256_sign_epi8(w0, w0), abs1 = _mm256_sign_epi8(w1, w1);
     for (int r = 0; r < ROWS; ++r) {
