@@ -11,9 +11,14 @@ Two things make a torch step stall when another process takes a core:
   spins for a while before it sleeps, and a decode step runs its regions back to back, so every thread
   spins through the whole step, even when it has nothing to do. On a core someone else wants, the
   spinner takes the time that process would have used, and the scheduler treats ours as one more
-  CPU-bound job. ``OMP_WAIT_POLICY=PASSIVE`` makes a waiting thread sleep at once. libgomp reads it
-  once, when it is loaded (that is, when torch is imported), so it has to be in the environment first;
-  processes started afterwards (the server's workers) inherit it.
+  CPU-bound job. ``OMP_WAIT_POLICY=PASSIVE`` makes a waiting thread sleep at once, but then every
+  region of a step wakes its threads through the kernel, which cost an eager decode step 1.6x on a
+  Xeon (docs/inference.md, "Sharing the CPU"). So the lab bounds the spin instead
+  (``GOMP_SPINCOUNT``, ``WAIT_POLICY``): a waiting thread spins for a short while, through the gaps
+  between one step's regions, then sleeps, so it does not hold a core between steps or while the
+  tuner below moves to fewer threads. libgomp reads it once, when it is loaded (that is, when torch
+  is imported), so it has to be in the environment first; processes started afterwards (the
+  server's workers) inherit it.
 - **Too many threads.** Each region ends when its slowest thread does; a thread that shares its core
   with a busy process waits for its turn on it, and the whole step waits with it. ``free_cores``
   measures how much of this process's cores the other processes used over a window (``/proc/stat``'s
@@ -33,8 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
-"""What ``yield_while_waiting`` puts in the environment (where the user has not set it)."""
+WAIT_POLICY = {"GOMP_SPINCOUNT": "30000"}
+"""What ``yield_while_waiting`` puts in the environment (where the user has set neither variable of
+``USER_WAIT_POLICY``): libgomp's wait loop turns 30,000 times (a millisecond or so) before it sleeps,
+where its default is 300,000 and PASSIVE's 0."""
 
 USER_WAIT_POLICY = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 """The variables that choose how libgomp's threads wait (``GOMP_SPINCOUNT`` overrides the policy's
@@ -46,10 +53,11 @@ RETUNE_SECONDS = 2.0
 
 
 def yield_while_waiting() -> None:
-    """Have OpenMP threads sleep instead of spin while they wait (``WAIT_POLICY``), unless the
-    environment says otherwise. Takes effect only before torch is first imported in this process."""
-    for name, value in WAIT_POLICY.items():
-        os.environ.setdefault(name, value)
+    """Have OpenMP threads sleep soon instead of spin while they wait (``WAIT_POLICY``), unless the
+    user chose how they wait (either of ``USER_WAIT_POLICY``). Takes effect only before torch is
+    first imported in this process."""
+    if not any(name in os.environ for name in USER_WAIT_POLICY):
+        os.environ.update(WAIT_POLICY)
 
 
 def allowed_cores() -> set[int]:

@@ -6,10 +6,11 @@ Each measurement runs in a fresh process (the OpenMP wait policy is read when to
 
 - ``spin``: as before ``lab.threads``: libgomp's default wait (threads spin), torch's default threads
   (every core);
-- ``yield``: ``lab.threads``: ``OMP_WAIT_POLICY=PASSIVE`` and a ``ThreadTuner`` ticked between steps
-  (threads for the cores other processes leave free);
-- ``bounded``: ``yield`` with a bounded spin (``GOMP_SPINCOUNT=--spin``, which overrides the policy):
-  a waiting thread spins that many turns of libgomp's wait loop before it sleeps.
+- ``yield``: ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps at once) and ``lab.threads``'
+  ``ThreadTuner`` ticked between steps (threads for the cores other processes leave free);
+- ``bounded``: a bounded spin, ``GOMP_SPINCOUNT=--spin`` (a waiting thread spins that many turns of
+  libgomp's wait loop before it sleeps; default: ``lab.threads.WAIT_POLICY``'s, what the lab's
+  commands set), and the tuner.
 
 and each idle and with a competitor, ``python -c "while True: pass"`` pinned to the last allowed core
 (as ``taskset -c 1`` would on 2 cores), started before the process and stopped after it. The jobs: one
@@ -99,10 +100,10 @@ def measure_decode(model_spec: str, dtype: str, compile: bool, tokens: int, tune
 def run_job(job: str, way: str, spin: int, train_steps: int, decode_tokens: int, model: str, dtype: str,
             compile: bool) -> dict:  # fmt: skip
     """This process's measurement (``--job``): the median step in ms and the threads it ran with."""
-    if way == "bounded":
+    if way == "yield":  # before torch loads
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    elif way == "bounded":
         os.environ["GOMP_SPINCOUNT"] = str(spin)
-    if way != "spin":
-        threads.yield_while_waiting()  # before torch loads
     tuner = threads.ThreadTuner() if way != "spin" else None
     if job == "train":
         times = measure_train(train_steps, tuner)
@@ -122,7 +123,7 @@ def competitor(core: int) -> subprocess.Popen:
 def measured(job: str, way: str, contended: bool, options: dict, timeout: float) -> dict:
     """One measurement in a fresh process: ``way``'s environment, a competitor while it runs if
     ``contended``. A measurement past ``timeout`` seconds reports the time it had taken as a lower bound."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env = {k: v for k, v in os.environ.items() if k not in threads.USER_WAIT_POLICY}
     command = [sys.executable, __file__, "--job", job, "--way", way]
     command += [f"--{name.replace('_', '-')}={value}" for name, value in options.items()]
     rival = competitor(max(threads.allowed_cores())) if contended else None
@@ -164,7 +165,7 @@ def main(
     model: str = "gpt2-random",
     dtype: str = "float32",
     compile: bool = False,
-    spin: int = 3000,
+    spin: int = int(threads.WAIT_POLICY["GOMP_SPINCOUNT"]),
     jobs: tuple[Job, ...] = JOBS,
     ways: tuple[Way, ...] = WAYS,
     timeout: float = 300.0,

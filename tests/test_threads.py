@@ -135,17 +135,20 @@ def test_cli_sets_the_wait_policy_before_torch_loads():
         "import importlib\n"
         "real = importlib.import_module\n"
         "def spy(name, *a):\n"
-        "    print(name, os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+        "    print(name, os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)\n"
         "    raise SystemExit(0)\n"
         "importlib.import_module = spy\n"
         "lab.cli.main(['shapes'])\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in threads.USER_WAIT_POLICY}
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True)
-    assert out.stdout.split() == ["lab.analysis.shapes", "PASSIVE", "False"], out.stderr
-    env["OMP_WAIT_POLICY"] = "ACTIVE"  # the user's own choice stands
-    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True)
-    assert out.stdout.split()[1] == "ACTIVE", out.stderr
+    spin = threads.WAIT_POLICY["GOMP_SPINCOUNT"]
+    assert out.stdout.split() == ["lab.analysis.shapes", spin, "False"], out.stderr
+    for name, value in (("GOMP_SPINCOUNT", "7"), ("OMP_WAIT_POLICY", "ACTIVE")):  # the user's choice stands
+        out = subprocess.run(
+            [sys.executable, "-c", probe], env={**env, name: value}, cwd=ROOT, capture_output=True, text=True
+        )
+        assert out.stdout.split()[1] == ("7" if name == "GOMP_SPINCOUNT" else "None"), out.stderr
 
 
 SPIN_PROBE = (
@@ -163,7 +166,8 @@ SPIN_PROBE = (
 @pytest.mark.slow
 def test_the_wait_policy_stops_torch_spinning():
     """With the policy, torch's threads sleep between products (the process uses a fraction of a core
-    while it mostly sleeps); spinning (libgomp's default) keeps a thread busy through every pause."""
+    while it mostly sleeps, 5 ms pauses being far longer than the bounded spin); spinning (libgomp's
+    default) keeps a thread busy through every pause."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 
     def cpu_share(policy: dict) -> float:
@@ -177,7 +181,8 @@ def test_the_wait_policy_stops_torch_spinning():
 
 @pytest.mark.slow
 def test_server_workers_inherit_the_wait_policy(monkeypatch):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    for name in threads.USER_WAIT_POLICY:
+        monkeypatch.delenv(name, raising=False)
     with ServerProcess(["--model", "tiny"], model_factory=TinyModel()) as server:
         environ = Path(f"/proc/{server.workers()[0]}/environ").read_bytes().split(b"\0")
-    assert b"OMP_WAIT_POLICY=PASSIVE" in environ
+    assert f"GOMP_SPINCOUNT={threads.WAIT_POLICY['GOMP_SPINCOUNT']}".encode() in environ
