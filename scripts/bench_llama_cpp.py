@@ -16,7 +16,7 @@ llama.cpp's ``llama-bench -r 1`` decoding ``--tokens`` after ``--prompt-tokens``
 ``Decoder.step`` after a prompt of the same length.
 
 ``--serving`` compares serving instead (``scripts/peer_serving.py``): ``llama-server`` with 4 slots
-on the q4_0 file against ``blocklab serve`` at its defaults with each of ``SERVED``' dtypes, 4
+on the q4_0 file against ``blocklab serve`` with each of ``SERVED``' dtypes and flags, 4
 closed-loop streaming clients on each one's OpenAI completions route, then lone requests:
 requests/s, TTFT, time per output token, inter-token latency and lone end-to-end latency.
 """
@@ -50,8 +50,9 @@ PAIRS = (
 """llama.cpp's weight type and ours that stores as many bits per weight. q8_0 and q4_0 twice: against
 int8 and int4 (weight-only, bf16 activations) and against w8a8 and w4a8, which quantize the
 activations to int8 per group as llama.cpp's q8_0 and q4_0 dot products do (q8_0 blocks)."""
-SERVED = ("int4", "w4a8")
-"""The dtypes ``--serving`` serves q4_0's weights in (one ``blocklab serve`` each, side by side)."""
+SERVED = ("int4", "w4a8", "w4a8 --compile")
+"""How ``--serving`` serves q4_0's weights: a dtype and any flags, one ``blocklab serve`` each, side by
+side (``--compile`` builds its step at start, ``--warm-up``'s default lengths)."""
 KINDS = tuple(dict.fromkeys(kind for kind, _ in PAIRS))
 DTYPES = tuple(dict.fromkeys(dtype for _, dtype in PAIRS))
 
@@ -171,9 +172,9 @@ def serve_against(bin_dir: Path, gguf: Path, threads: int, tokens: int, prompt_t
     with ExitStack() as servers:
         llama = servers.enter_context(LlamaServer(bin_dir / "llama-server", gguf, threads))
         urls = {"llama-server q4_0": llama.url}
-        for dtype in SERVED:
-            ours = ServerProcess(["--model", "gpt2-random", "--dtype", dtype], startup_timeout=300)
-            urls[f"blocklab {dtype}"] = servers.enter_context(ours).url
+        for served in SERVED:
+            ours = ServerProcess(["--model", "gpt2-random", "--dtype", *served.split()], startup_timeout=900)
+            urls[f"blocklab {served}"] = servers.enter_context(ours).url
         load_before = os.getloadavg()
         figures = compare(urls, rounds, clients, requests, prompt_tokens, tokens)
     theirs = figures["llama-server q4_0"]
