@@ -39,8 +39,9 @@
  * time.
  *
  * Each output is computed by one thread in a fixed order whatever M is and whichever tile it falls
- * in, so a row's result does not depend on the other rows (batch invariance). Built by lab/intmm.py with -fopenmp against the
- * libgomp that torch has loaded already: the parallel loops run in torch's own OpenMP threads.
+ * in, so a row's result does not depend on the other rows (batch invariance). Built by lab/intmm.py
+ * with -fopenmp against the libgomp that torch has loaded already: the parallel loops run in torch's
+ * own OpenMP threads.
  */
 #include <immintrin.h>
 #include <math.h>
