@@ -53,13 +53,13 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 @dataclass(frozen=True)
 class _Kernel:
     """One product of lab/kernels/intmm.c: its C function ``name`` takes x, M, K, bf16, then the
-    ``weights`` (tensors, the first [N, K / codes_per_byte] of ``dtype``), then N, bias and y; under
-    torch.compile it is the custom op ``blocklab::<name>``."""
+    ``weights`` (dense tensors of ``dtypes``, the first [N, K / codes_per_byte]), then N, bias and y;
+    under torch.compile it is the custom op ``blocklab::<name>``."""
 
     name: str
     weights: tuple[str, ...]
     codes_per_byte: int
-    dtype: torch.dtype
+    dtypes: tuple[torch.dtype, ...]
     op: torch.library.CustomOpDef = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -87,9 +87,12 @@ class _Kernel:
         m, k = x.shape
         first = weights[0]
         n, width = first.shape
-        if k % GROUP or width * self.codes_per_byte != k or first.dtype is not self.dtype:
-            expected = f"{self.weights[0]} [N, K / {self.codes_per_byte}] {self.dtype}"
-            got = f"{list(x.shape)} and {list(first.shape)} {first.dtype}"
+        pairs = zip(weights, self.dtypes, strict=True)
+        wrong = any(w.dtype is not d or not w.is_contiguous() for w, d in pairs)
+        if k % GROUP or width * self.codes_per_byte != k or wrong:  # the C side reads them as they are
+            named = ", ".join(f"{name} {kind}" for name, kind in zip(self.weights, self.dtypes, strict=True))
+            expected = f"{self.weights[0]} [N, K / {self.codes_per_byte}], dense: {named}"
+            got = f"{list(x.shape)} and {', '.join(f'{list(w.shape)} {w.dtype}' for w in weights)}"
             raise ValueError(f"{self.name}: x [M, K] with K a multiple of {GROUP} and {expected}, got {got}")
         if bias is not None and bias.dtype is not dtype:
             bias = bias.to(dtype)
@@ -108,8 +111,8 @@ def _y_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
-_W4A8 = _Kernel("w4a8_mm", ("packed", "scales_zeros"), 2, torch.uint8)
-_W8A8 = _Kernel("w8a8_mm", ("values", "scales"), 1, torch.int8)
+_W4A8 = _Kernel("w4a8_mm", ("packed", "scales_zeros"), 2, (torch.uint8, torch.bfloat16))
+_W8A8 = _Kernel("w8a8_mm", ("values", "scales"), 1, (torch.int8, torch.float32))
 
 
 def unavailable() -> str | None:

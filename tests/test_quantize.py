@@ -230,6 +230,21 @@ def test_integer_kernel_is_its_definition_and_rows_are_alone(kind, n, k, instruc
             assert torch.equal(product(x[start : start + rows]), y[start : start + rows])
 
 
+def test_w8a8_takes_every_int8_value_and_refuses_weights_it_would_misread(instruction_set):
+    """-128, which lab.quantize never makes, still multiplies as itself (AVX-512's offset trick
+    negates in int32); scales of another dtype, which C would read past their end, are refused."""
+    torch.manual_seed(0)
+    values = torch.randint(-128, 128, (11, 128), dtype=torch.int8)
+    values[:, :7] = -128
+    scales = torch.rand(11) / 100
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(
+        intmm.w8a8_matmul(x, values, scales).double(), w8a8_reference(x, values, scales), rtol=1e-5, atol=1e-5
+    )
+    with pytest.raises(ValueError, match="scales torch.float32"):
+        intmm.w8a8_matmul(x, values, scales.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("kind", INTEGER)
 def test_integer_kernel_reads_and_writes_bf16(kind, instruction_set):
     """bf16 x is read as it is (its values exactly), the bias added in float32 and y rounded once to

@@ -56,7 +56,8 @@
 #define PREFETCH_BYTES 8192
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-/* The instruction set the products use: 0 AVX2, 1 AVX-512 with VNNI; -1 until first asked. */
+/* The instruction set the products use: 0 AVX2, 1 AVX-512 with VNNI; -1 until first asked. Read and
+ * written atomically: ctypes releases the GIL, so Python threads call these functions at once. */
 static int isa = -1;
 
 static inline float bf16_to_float(uint16_t half) {
@@ -113,7 +114,7 @@ static void quantize_rows_avx512(const void *x, int bf16, int64_t M, int64_t K, 
 
 /* Allocate *a for M x K inputs (with offsets and sums if `sums`) and quantize x into it. Returns 0,
  * or -1 when there is no memory (malloc here: a tensor each from Python cost more per call). */
-static int quantize(const void *x, int bf16, int64_t M, int64_t K, int sums, struct activations *a) {
+static int quantize(const void *x, int bf16, int64_t M, int64_t K, int sums, int avx512, struct activations *a) {
   const int64_t per_group = M * (K / GROUP);
   a->q = malloc((size_t)(M * K));
   a->scale = malloc(sizeof(float) * (size_t)((sums ? 3 : 1) * per_group));
@@ -124,7 +125,7 @@ static int quantize(const void *x, int bf16, int64_t M, int64_t K, int sums, str
   }
   a->offset = sums ? a->scale + per_group : NULL;
   a->sum = sums ? a->scale + 2 * per_group : NULL;
-  if (isa == 1)
+  if (avx512)
     quantize_rows_avx512(x, bf16, M, K, a);
   else
     quantize_rows(x, bf16, M, K, a);
@@ -340,7 +341,8 @@ TILE_INLINE void w8a8_tile(const int ROWS, const int COLS, int64_t m0, int64_t n
     for (int c = 0; c < COLS; ++c) {
       w[c] = _mm512_loadu_si512(values + (n0 + c) * p->K + g * GROUP);
       _mm_prefetch((const char *)(values + (n0 + c) * p->K + g * GROUP + PREFETCH_BYTES), _MM_HINT_T0);
-      minus_offset[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, _mm512_sub_epi8(_mm512_setzero_si512(), w[c]));
+      /* negated in int32: -(-128) does not fit a byte (lab.quantize's values never hold -128; others may) */
+      minus_offset[c] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, w[c]));
     }
     for (int r = 0; r < ROWS; ++r) {
       const int64_t at = (m0 + r) * G + g;
@@ -396,8 +398,12 @@ static int avx512_vnni(void) {
 /* The instruction set in use (request -1), or choose one: 0 AVX2, 1 AVX-512 VNNI where the CPU has
  * it (AVX2 where not). The first call picks the best this CPU has. Returns the one in use. */
 int intmm_isa(int request) {
-  if (request >= 0 || isa < 0) isa = request == 0 ? 0 : avx512_vnni();
-  return isa;
+  int now = __atomic_load_n(&isa, __ATOMIC_RELAXED);
+  if (request >= 0 || now < 0) {
+    now = request == 0 ? 0 : avx512_vnni();
+    __atomic_store_n(&isa, now, __ATOMIC_RELAXED);
+  }
+  return now;
 }
 
 /* The two products below differ in their weights' layout only, but each has its own parallel loop:
@@ -409,9 +415,9 @@ int intmm_isa(int request) {
 int w4a8_mm(const void *x, int64_t M, int64_t K, int bf16, const uint8_t *packed, const uint16_t *scales_zeros,
             int64_t N, const void *bias, void *y) {
   struct product p = {M, K, N, {0}, packed, NULL, scales_zeros, bias, y, bf16};
-  if (isa < 0) intmm_isa(-1);
-  if (quantize(x, bf16, M, K, 1, &p.a) != 0) return -1;
-  if (isa == 1) {
+  const int avx512 = intmm_isa(-1) == 1; /* read once: one call runs in one instruction set */
+  if (quantize(x, bf16, M, K, 1, avx512, &p.a) != 0) return -1;
+  if (avx512) {
     w4a8_avx512(&p);
     return release(&p.a);
   }
@@ -424,9 +430,9 @@ int w4a8_mm(const void *x, int64_t M, int64_t K, int bf16, const uint8_t *packed
 int w8a8_mm(const void *x, int64_t M, int64_t K, int bf16, const int8_t *values, const float *scales,
             int64_t N, const void *bias, void *y) {
   struct product p = {M, K, N, {0}, values, scales, NULL, bias, y, bf16};
-  if (isa < 0) intmm_isa(-1);
-  if (quantize(x, bf16, M, K, 0, &p.a) != 0) return -1;
-  if (isa == 1) {
+  const int avx512 = intmm_isa(-1) == 1;
+  if (quantize(x, bf16, M, K, 0, avx512, &p.a) != 0) return -1;
+  if (avx512) {
     w8a8_avx512(&p);
     return release(&p.a);
   }
