@@ -12,8 +12,8 @@ Two things make a torch step stall when another process takes a core:
   spins through the whole step, even when it has nothing to do. On a core someone else wants, the
   spinner takes the time that process would have used, and the scheduler treats ours as one more
   CPU-bound job. ``OMP_WAIT_POLICY=PASSIVE`` makes a waiting thread sleep at once, but then every
-  region of a step wakes its threads through the kernel, which cost an eager decode step 1.6x on a
-  Xeon (docs/inference.md, "Sharing the CPU"). So the lab bounds the spin instead
+  region of a step wakes its threads through the kernel, which can cost a step more than spinning
+  would (measured in docs/inference.md, "Sharing the CPU"). So the lab bounds the spin instead
   (``GOMP_SPINCOUNT``, ``WAIT_POLICY``): a waiting thread spins for a short while, through the gaps
   between one step's regions, then sleeps, so it does not hold a core between steps or while the
   tuner below moves to fewer threads. libgomp reads it once, when it is loaded (that is, when torch

@@ -54,6 +54,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+from unittest import mock
 
 import httpx
 import torch
@@ -351,26 +352,18 @@ def restarts(spec: str, requests: int) -> dict:
     args = ["--model", model, "--dtype", dtype or "float32", "--compile"]
     starts = {"new machine": [], "restart": [], "restart without warm-up": ["--warm-up", "[]"]}
     runs = {}
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # the servers inherit it
-        try:
-            for name, extra in starts.items():
-                start = time.perf_counter()
-                with ServerProcess(args + extra, startup_timeout=1800.0) as server:
-                    started = time.perf_counter() - start
-                    first, warm = asyncio.run(first_and_warm(server.url, requests))
-                runs[name] = {
-                    "start_s": round(started, 1),
-                    "first_request_ms": round(first, 1),
-                    "warm_p50_ms": round(warm, 1),
-                    "first_over_warm": round(first / warm, 2),
-                }
-        finally:
-            if before is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+    with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache):
+        for name, extra in starts.items():  # the servers inherit the cache directory
+            start = time.perf_counter()
+            with ServerProcess(args + extra, startup_timeout=1800.0) as server:
+                started = time.perf_counter() - start
+                first, warm = asyncio.run(first_and_warm(server.url, requests))
+            runs[name] = {
+                "start_s": round(started, 1),
+                "first_request_ms": round(first, 1),
+                "warm_p50_ms": round(warm, 1),
+                "first_over_warm": round(first / warm, 2),
+            }
     return {"model": spec, "new_tokens": RESTART_TOKENS, "runs": runs}
 
 
