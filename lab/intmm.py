@@ -60,6 +60,7 @@ class _Kernel:
     weights: tuple[str, ...]
     codes_per_byte: int
     dtypes: tuple[torch.dtype, ...]
+    k_multiple: int = GROUP
     op: torch.library.CustomOpDef = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,11 +90,12 @@ class _Kernel:
         n, width = first.shape
         pairs = zip(weights, self.dtypes, strict=True)
         wrong = any(w.dtype is not d or not w.is_contiguous() for w, d in pairs)
-        if k % GROUP or width * self.codes_per_byte != k or wrong:  # the C side reads them as they are
+        if k % self.k_multiple or width * self.codes_per_byte != k or wrong:  # C reads them as they are
             named = ", ".join(f"{name} {kind}" for name, kind in zip(self.weights, self.dtypes, strict=True))
             expected = f"{self.weights[0]} [N, K / {self.codes_per_byte}], dense: {named}"
             got = f"{list(x.shape)} and {', '.join(f'{list(w.shape)} {w.dtype}' for w in weights)}"
-            raise ValueError(f"{self.name}: x [M, K] with K a multiple of {GROUP} and {expected}, got {got}")
+            widths = f"K a multiple of {self.k_multiple}"
+            raise ValueError(f"{self.name}: x [M, K] with {widths} and {expected}, got {got}")
         if bias is not None and bias.dtype is not dtype:
             bias = bias.to(dtype)
         y = torch.empty(m, n, dtype=dtype)
@@ -113,6 +115,8 @@ def _y_dtype(x: torch.Tensor) -> torch.dtype:
 
 _W4A8 = _Kernel("w4a8_mm", ("packed", "scales_zeros"), 2, (torch.uint8, torch.bfloat16))
 _W8A8 = _Kernel("w8a8_mm", ("values", "scales"), 1, (torch.int8, torch.float32))
+_BF16 = _Kernel("bf16_mm", ("weight",), 1, (torch.bfloat16,), k_multiple=1)
+_F32 = _Kernel("f32_mm", ("weight",), 1, (torch.float32,), k_multiple=1)
 
 
 def unavailable() -> str | None:
@@ -155,7 +159,7 @@ def _library() -> ctypes.CDLL:
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
     library.intmm_isa.restype, library.intmm_isa.argtypes = ctypes.c_int, [ctypes.c_int]
-    for kernel in (_W4A8, _W8A8):
+    for kernel in (_W4A8, _W8A8, _BF16, _F32):
         function = getattr(library, kernel.name)
         function.restype = ctypes.c_int
         function.argtypes = [
@@ -191,3 +195,14 @@ def w8a8_matmul(
     """x [M, K] times lab.quantize's int8 rows, values [N, K] int8 and scales [N] float32, + bias [N]:
     y [M, N]."""
     return _W8A8(x, (values, scales), bias)
+
+
+def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K], rounded to bf16, times bf16 weights [N, K] (a Linear's, laid out [out, in]) + bias [N]:
+    y [M, N], summed in float32. Any K."""
+    return _BF16(x, (weight,), bias)
+
+
+def f32_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] times float32 weights [N, K] + bias [N]: y [M, N], summed in float32. Any K."""
+    return _F32(x, (weight,), bias)

@@ -24,6 +24,7 @@ from lab.generate import score
 from lab.hooks import capture
 from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
 from lab.model import GPT
+from lab.quantize import QuantizedLinear
 
 BATCH_TOKENS = 512
 """Positions per batched forward pass. Small, so that one batch's logits (positions x V floats) come
@@ -137,7 +138,7 @@ class LossMeter:
         self.mean_blocks: dict[str, float] = {}
         """Blocks run per predicted token, per measured set (varies only under adaptive exit)."""
         self.table = None
-        if model.read_out is None:  # a quantized read-out (lab.quantize) has no rows to compare
+        if not isinstance(model.read_out, QuantizedLinear):  # a quantized read-out has no rows to compare
             weight = model.wte.weight.detach()  # [V, D]
             bias = model.logit_bias if model.logit_bias is not None else weight.new_zeros(len(weight))  # [V]
             rows, self.row_of, counts = torch.unique(

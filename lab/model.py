@@ -298,7 +298,8 @@ class GPT(nn.Module):
         self.embed = HookPoint()  # [B, T, D] token + position: the stream's first write
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = make_norm(cfg) if cfg.norm in NORM_FIRST else nn.Identity()
-        self.read_out: nn.Module | None = None  # a quantized copy of the table's read rows (lab.quantize)
+        # what multiplies the table's read rows, where not torch: lab.quantize's copy, lab.float_kernels
+        self.read_out: nn.Module | None = None
         self.read_rows: torch.Tensor | None = None  # [V_read] rows the read-out multiplies (compact_read_out)
         self.read_table: torch.Tensor | None  # [V_read, D] those rows, contiguous
         self.register_buffer("read_table", None, persistent=False)

@@ -173,7 +173,7 @@ def quantize(model: GPT, dtype: str) -> GPT:
     if dtype not in QUANTIZED_DTYPES:
         raise ValueError(f"dtype: one of {', '.join(QUANTIZED_DTYPES)}, got {dtype!r}")
     require_kernels(dtype)
-    if model.read_out is not None:
+    if isinstance(model.read_out, QuantizedLinear):
         raise ValueError("the model is already quantized")
     model.to(torch.bfloat16)
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)]

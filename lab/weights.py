@@ -34,8 +34,9 @@ from lab.config import GPTConfig
 from lab.errors import UserError
 from lab.exit_probe import FILE as EXIT_PROBE_FILE
 from lab.exit_probe import load_exit_probe, save_exit_probe
+from lab.float_kernels import use_float_kernels, uses_float_kernels
 from lab.model import GPT
-from lab.quantize import QUANTIZED_DTYPES, WEIGHT_DTYPES, quantize
+from lab.quantize import QUANTIZED_DTYPES, WEIGHT_DTYPES, QuantizedLinear, quantize
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +257,7 @@ def save_hf_dir(model: GPT, directory: str | Path) -> Path:
     pre-LN LayerNorm, biases, no logit bias or quantization."""
     cfg = model.config
     plain = (cfg.norm, cfg.norm_type, cfg.bias, cfg.logit_bias) == ("pre", "layer", True, False)
-    if not plain or model.read_out is not None:
+    if not plain or isinstance(model.read_out, QuantizedLinear):
         raise UserError("save_hf_dir: only a plain GPT-2 (pre-LN LayerNorm, biases, fp weights) converts")
     directory = tokens.write_hf_tokenizer(directory)
     config = {
@@ -446,6 +447,7 @@ def load_model(
     *,
     device: torch.device | str = "cpu",
     attention: str | None = None,
+    kernels: bool = True,
 ) -> GPT:
     """A GPT in eval mode from a spec (see the module docstring), the one loader of every command.
 
@@ -454,6 +456,9 @@ def load_model(
     activations; CPU only), or a torch floating dtype.
     ``attention``: 'eager' | 'sdpa' override. The model's tuned lens, where one was fitted to it
     (``lab.lens.home``), comes with it as ``model.tuned_lens``.
+    ``kernels``: float32 and bf16 weights on the CPU decode through lab.intmm's kernels
+    (``lab.float_kernels``: the same parameters; training still takes torch's products); False keeps
+    torch's products throughout (a baseline).
     """
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
     if name not in WEIGHT_DTYPES:
@@ -464,6 +469,8 @@ def load_model(
     # quantized weights are made from bf16 ones, the activations' dtype
     model = _load(spec, torch.bfloat16 if quantized else getattr(torch, name), device, attention)
     model = quantize(model, name) if quantized else model
+    if kernels and not quantized and uses_float_kernels(model.wte.weight.dtype, device):
+        use_float_kernels(model)
     from lab.lens.home import attach_tuned_lens  # here: lab.lens.home finds a lens by lab.weights' paths
 
     attach_tuned_lens(spec, model)  # a tuned lens fitted to it, for lens=tuned block sets (or None)

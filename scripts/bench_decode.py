@@ -11,7 +11,8 @@ shared with other jobs slows all of them alike. Reports:
 - ms/token of greedy decoding after a prompt (prefill excluded) for GPT-2 small shapes (``gpt2-random``):
   ``transformers.GPT2LMHeadModel`` fp32 (same weights, its own KV cache), and ours with fp32, bf16,
   weight-only int8 and int4 weights, and int8 and int4 weights times int8 activations (w8a8, w4a8;
-  ``lab.quantize``);
+  ``lab.quantize``); fp32 and bf16 also with torch's products (``load_model(kernels=False)``), the
+  baseline of lab.float_kernels' products;
 - the bandwidth bound: the weight bytes one token reads / the best read bandwidth measured here on a
   buffer of the same size, read again and again as decoding does (where the last-level cache is about
   as large as the weights, that is the cache's bandwidth more than the memory's);
@@ -20,7 +21,8 @@ shared with other jobs slows all of them alike. Reports:
   in turn as a step runs them) and the rest, and the rate at which the products stream the weights;
 - the adaptive-exit check's cost per block, end to end (``adaptive=1.0`` checks after every block and
   never exits) and alone;
-- one position's unembedding: mv on the tied [V, D] table vs F.linear vs a transposed [D, V] copy;
+- one position's unembedding: lab.intmm's kernel vs mv vs F.linear on the tied [V, D] table vs a
+  transposed [D, V] copy;
 - on each builtin model (if created: ``builtin``, ``builtin-early-exit``), on held-out standard-library
   files: the loss change of bf16, int8, w8a8, int4 and w4a8, and loss vs mean blocks per token under
   adaptive exit and fixed early exits (``--quality-only``: only these, no timing).
@@ -42,6 +44,7 @@ from lab import fast, flags, tokens
 from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
 from lab.decode import greedy_ms_per_token, stability
+from lab.float_kernels import FLOAT_KERNELS
 from lab.generate import score
 from lab.measure import interleaved, interval
 from lab.model import GPT, Linear
@@ -50,6 +53,8 @@ from lab.weights import BUILTIN_MODELS, builtin_source, load_model
 
 LOW_PRECISION = ("bfloat16", "int8", "w8a8", "int4", "w4a8")
 """Weights besides fp32 that decoding is measured with (lab.quantize)."""
+FLOAT_DTYPES = ("float32", "bfloat16")
+"""Also timed with torch's products (``load_model(kernels=False)``): lab.float_kernels' baseline."""
 SKIPS = (3, 6, 9, 12)
 """Blocks skipped (the last k) in the per-block fit."""
 
@@ -104,7 +109,7 @@ def _timed(fn) -> float:
 def weight_bytes_per_token(model: GPT) -> int:
     """Bytes of weights one decode step reads: everything but the position table (one row of it) and,
     when a quantized copy reads out (lab.quantize), the token table (one row of it, the embedding)."""
-    one_row = {"wpe.weight"} | ({"wte.weight"} if model.read_out is not None else set())
+    one_row = {"wpe.weight"} | ({"wte.weight"} if isinstance(model.read_out, QuantizedLinear) else set())
     tensors = [*model.named_parameters(), *model.named_buffers()]
     return sum(t.numel() * t.element_size() for name, t in tensors if name not in one_row)
 
@@ -139,13 +144,16 @@ def check_cost_alone(model: GPT, repeats: int = 200) -> float:
 
 @torch.inference_mode()
 def unembed_ms(model: GPT, repeats: int = 20) -> dict[str, float]:
-    """ms of one position's unembedding: torch.mv on the tied [V, D] table (what GPT.unembed does),
-    F.linear on it, and a product with a transposed contiguous [D, V] copy."""
+    """ms of one position's unembedding: lab.intmm's kernel on the tied [V, D] table (what the
+    read-out uses, lab.float_kernels), torch.mv and F.linear on it, and a product with a transposed
+    contiguous [D, V] copy."""
     h = torch.randn(model.config.n_embd, dtype=model.wte.weight.dtype)  # [D]
     table = model.wte.weight  # [V, D]
     table_t = table.t().contiguous()  # [D, V]
+    kernel = FLOAT_KERNELS[table.dtype]
     ways = {
-        "mv [V, D] (used)": lambda: torch.mv(table, h),  # [V]
+        "lab.intmm [V, D] (used)": lambda: kernel(h[None], table),  # [1, V]
+        "mv [V, D]": lambda: torch.mv(table, h),  # [V]
         "F.linear [V, D]": lambda: F.linear(h[None], table),  # [1, V]
         "h @ [D, V] copy": lambda: h[None] @ table_t,  # [1, V]
     }
@@ -198,12 +206,18 @@ def builtin_quality(name: str = "builtin") -> dict | None:
 
 
 def decode_ms(
-    models: dict[str, GPT], prompt: list[int], tokens: int, rounds: int, compiled: dict[str, GPT]
+    models: dict[str, GPT],
+    prompt: list[int],
+    tokens: int,
+    rounds: int,
+    compiled: dict[str, GPT],
+    torch_products: dict[str, GPT],
 ) -> tuple[dict, float]:
     """ms/token of every configuration (transformers fp32, ours in each dtype, ours fp32 with the adaptive
-    check after every block and with k blocks skipped, and each of ``compiled``: ours in that dtype
-    through lab.fast), the median over ``rounds`` rounds each timing every configuration once; and the
-    largest logit difference between transformers and ours."""
+    check after every block and with k blocks skipped, each of ``compiled``: ours in that dtype
+    through lab.fast, and each of ``torch_products``: ours in that dtype without lab.float_kernels),
+    the median over ``rounds`` rounds each timing every configuration once; and the largest logit
+    difference between transformers and ours."""
     ours = models["float32"]
     hf = hf_twin(ours)
     with torch.inference_mode():  # same weights, same function
@@ -220,6 +234,9 @@ def decode_ms(
         configs[f"ours float32 skip {k}"] = lambda b=block_set: greedy_ms_per_token(ours, b, prompt, tokens)
     for dtype, model in compiled.items():
         configs[f"ours {dtype} compiled"] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
+    for dtype, model in torch_products.items():
+        name = f"ours {dtype}, torch's products"
+        configs[name] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
     ms = {name: statistics.median(values) for name, values in interleaved(configs, rounds).items()}
     ms["ours float32 skip 0"] = ms["ours float32"]
     return ms, diff
@@ -325,7 +342,8 @@ def main(
         compiled = (
             {dtype: fast.accelerate(load_model("gpt2-random", dtype)) for dtype in models} if compile else {}
         )
-        ms, diff = decode_ms(models, prompt, tokens, rounds, compiled)
+        torch_products = {dtype: load_model("gpt2-random", dtype, kernels=False) for dtype in FLOAT_DTYPES}
+        ms, diff = decode_ms(models, prompt, tokens, rounds, compiled, torch_products)
         n = ours.config.n_layer
         results = {
             "machine": platform.processor() or platform.machine(),
@@ -338,6 +356,9 @@ def main(
             "ratio_to_hf_fp32": {dtype: ms[f"ours {dtype}"] / ms["transformers fp32"] for dtype in models},
             "compiled_over_eager": {
                 dtype: ms[f"ours {dtype} compiled"] / ms[f"ours {dtype}"] for dtype in compiled
+            },
+            "float_kernels_over_torch_products": {
+                dtype: ms[f"ours {dtype}"] / ms[f"ours {dtype}, torch's products"] for dtype in torch_products
             },
             **bandwidth_results(models, ms),
             "fit": per_block_fit(ms, n),

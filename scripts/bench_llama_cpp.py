@@ -7,10 +7,11 @@ configurations interleaved round by round, ms/token with a 95% interval.
 ``llama-quantize``, or ``--build DIR``; its source also ships in the ``llama-cpp-python`` sdist on
 PyPI). The first run writes ``gpt2-random`` as a Hugging Face directory
 (``lab.weights.save_hf_dir``), converts it with llama.cpp's own ``convert_hf_to_gguf.py`` to f32
-and quantizes that to q8_0 and q4_0, all under ``--gguf-dir``; later runs reuse the files. Pairs
-compared (ours each eager and through ``lab.fast``'s compiled step): llama.cpp f32 against ours
-float32, q8_0 against int8, q4_0 against int4 (weight-only, both: q8_0 and q4_0 keep a scale per 32
-weights, ours per output row or per group), and q8_0 and q4_0 against w8a8 and w4a8 (int8
+and quantizes that to bf16, q8_0 and q4_0, all under ``--gguf-dir``; later runs reuse the files.
+Pairs compared (ours each eager and through ``lab.fast``'s compiled step): llama.cpp f32 against ours
+float32, bf16 against bfloat16, q8_0 against int8, q4_0 against int4 (weight-only, both: q8_0 and
+q4_0 keep a scale per 32 weights, ours per output row or per group), and q8_0 and q4_0 against
+w8a8 and w4a8 (int8
 activations, as llama.cpp's dot products quantize them). Each round times every configuration once:
 llama.cpp's ``llama-bench -r 1`` decoding ``--tokens`` after ``--prompt-tokens`` of context (``-d``), ours
 ``Decoder.step`` after a prompt of the same length.
@@ -45,7 +46,8 @@ from lab.weights import load_model, save_hf_dir
 from serve.process import ServerProcess
 
 PAIRS = (
-    ("f32", "float32"), ("q8_0", "int8"), ("q8_0", "w8a8"), ("q4_0", "int4"), ("q4_0", "w4a8"),
+    ("f32", "float32"), ("bf16", "bfloat16"), ("q8_0", "int8"), ("q8_0", "w8a8"), ("q4_0", "int4"),
+    ("q4_0", "w4a8"),
 )  # fmt: skip
 """llama.cpp's weight type and ours that stores as many bits per weight. q8_0 and q4_0 twice: against
 int8 and int4 (weight-only, bf16 activations) and against w8a8 and w4a8, which quantize the

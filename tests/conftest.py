@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from lab import intmm
+
 torch.set_num_threads(2)
 
 
@@ -17,6 +19,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=intmm.INSTRUCTION_SETS)
+def instruction_set(request):
+    """The kernels in each instruction set this CPU has (the others skip), the default restored after."""
+    if (reason := intmm.unavailable()) is not None:
+        pytest.skip(reason)
+    default = intmm.instruction_set()
+    chosen = intmm.instruction_set(request.param)
+    if chosen != request.param:
+        intmm.instruction_set(default)
+        pytest.skip(f"this CPU has no {request.param}")
+    yield chosen
+    intmm.instruction_set(default)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -28,20 +28,6 @@ INTEGER = [pytest.param("w4a8", marks=NO_KERNELS), pytest.param("w8a8", marks=NO
 QUANTIZED = ["int8", "int4", *INTEGER]
 
 
-@pytest.fixture(params=intmm.INSTRUCTION_SETS)
-def instruction_set(request):
-    """The kernels in each instruction set this CPU has (the others skip), the default restored after."""
-    if (reason := intmm.unavailable()) is not None:
-        pytest.skip(reason)
-    default = intmm.instruction_set()
-    chosen = intmm.instruction_set(request.param)
-    if chosen != request.param:
-        intmm.instruction_set(default)
-        pytest.skip(f"this CPU has no {request.param}")
-    yield chosen
-    intmm.instruction_set(default)
-
-
 def tiny_model(norm: str = "pre") -> GPT:
     torch.manual_seed(0)
     return GPT(replace(CFG, norm=norm)).eval()

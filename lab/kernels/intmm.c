@@ -406,6 +406,201 @@ int intmm_isa(int request) {
   return now;
 }
 
+/* Floating-point weights, as the model holds them ([N, K], laid out [out, in]), sums in float32:
+ *
+ *   f32_mm:  float32 weights times float32 inputs;
+ *   bf16_mm: bf16 weights times the inputs rounded to bf16, what torch's bf16 product computes.
+ *
+ * torch's matrix-vector products stream these at a fraction of the memory's rate (bf16: widening
+ * the weights; float32 from memory rather than cache: docs/inference.md); these stream them at it.
+ * An output tile is 4 outputs of one input row at a time; the tile's weights (4 * K values) stay in
+ * the first-level cache across the input rows, so they stream from memory once per call. Each
+ * output's sum runs over the inputs in a fixed order (vector lanes, then one fixed reduction of the
+ * lanes, then the inputs past the last full vector), whatever M is: a row's result does not depend
+ * on the others. Two versions each: AVX-512 (bf16: AVX-512 BF16's dpbf16ps, 32 products summed in
+ * pairs into 16 float lanes per instruction) where the CPU has it and AVX-512 is chosen, else AVX2
+ * fused multiply-adds (bf16 weights widened 8 at a time: a 16-bit shift). */
+
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define FLOAT_TILE 4
+
+static int avx512_bf16(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
+struct float_product {
+  int64_t M, K, N;
+  const void *x; /* float32 [M, K]; bf16 for bf16_mm's AVX-512 version */
+  const void *weights;
+  const void *bias;
+  void *y;
+  int bf16; /* bias and y are bf16 */
+};
+
+static inline void float_store(const struct float_product *p, int64_t m, int64_t n, float value) {
+  if (p->bias != NULL) value += load(p->bias, p->bf16, n);
+  if (p->bf16)
+    ((uint16_t *)p->y)[m * p->N + n] = float_to_bf16(value);
+  else
+    ((float *)p->y)[m * p->N + n] = value;
+}
+
+/* Outputs n0 .. n0 + COLS - 1 of every row; COLS and BF16 (the weights' type) constants in each call. */
+static inline AVX512_BF16 __attribute__((always_inline)) void float_tile_avx512(const int BF16, const int COLS,
+                                                                                 int64_t n0,
+                                                                                 const struct float_product *p) {
+  const int64_t K = p->K, step = BF16 ? 32 : 16, full = K / step * step;
+  const uint64_t tail = (1ull << (K - full)) - 1; /* the inputs past the last full vector */
+  for (int64_t m = 0; m < p->M; ++m) {
+    __m512 acc[FLOAT_TILE];
+    for (int c = 0; c < COLS; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < full; k += step) {
+      for (int c = 0; c < COLS; ++c) {
+        const int64_t at = (n0 + c) * K + k;
+        if (BF16) {
+          const uint16_t *w = (const uint16_t *)p->weights + at;
+          if (m == 0) _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
+          const __m512bh a = (__m512bh)_mm512_loadu_si512((const uint16_t *)p->x + m * K + k);
+          acc[c] = _mm512_dpbf16_ps(acc[c], a, (__m512bh)_mm512_loadu_si512(w));
+        } else {
+          const float *w = (const float *)p->weights + at;
+          if (m == 0) _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
+          acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_loadu_ps((const float *)p->x + m * K + k), acc[c]);
+        }
+      }
+    }
+    if (tail) {
+      for (int c = 0; c < COLS; ++c) {
+        const int64_t at = (n0 + c) * K + full;
+        if (BF16) {
+          const __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)tail, (const uint16_t *)p->x + m * K + full);
+          const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)tail, (const uint16_t *)p->weights + at);
+          acc[c] = _mm512_dpbf16_ps(acc[c], a, w);
+        } else {
+          const __m512 a = _mm512_maskz_loadu_ps((__mmask16)tail, (const float *)p->x + m * K + full);
+          acc[c] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps((__mmask16)tail, (const float *)p->weights + at), a, acc[c]);
+        }
+      }
+    }
+    for (int c = 0; c < COLS; ++c) float_store(p, m, n0 + c, _mm512_reduce_add_ps(acc[c]));
+  }
+}
+
+static inline __attribute__((always_inline)) void float_tile_avx2(const int BF16, const int COLS, int64_t n0,
+                                                                   const struct float_product *p) {
+  const int64_t K = p->K, full = K / 8 * 8;
+  for (int64_t m = 0; m < p->M; ++m) {
+    const float *x = (const float *)p->x + m * K;
+    __m256 acc[FLOAT_TILE];
+    for (int c = 0; c < COLS; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < full; k += 8) {
+      const __m256 a = _mm256_loadu_ps(x + k);
+      for (int c = 0; c < COLS; ++c) {
+        const int64_t at = (n0 + c) * K + k;
+        __m256 w;
+        if (BF16) {
+          const uint16_t *from = (const uint16_t *)p->weights + at;
+          if (m == 0 && k % 32 == 0) _mm_prefetch((const char *)from + PREFETCH_BYTES, _MM_HINT_T0);
+          w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)from)), 16));
+        } else {
+          const float *from = (const float *)p->weights + at;
+          if (m == 0 && k % 16 == 0) _mm_prefetch((const char *)from + PREFETCH_BYTES, _MM_HINT_T0);
+          w = _mm256_loadu_ps(from);
+        }
+        acc[c] = _mm256_fmadd_ps(w, a, acc[c]);
+      }
+    }
+    for (int c = 0; c < COLS; ++c) {
+      float value = sum_lanes(acc[c]);
+      for (int64_t k = full; k < K; ++k) {
+        const int64_t at = (n0 + c) * K + k;
+        value += (BF16 ? bf16_to_float(((const uint16_t *)p->weights)[at]) : ((const float *)p->weights)[at]) * x[k];
+      }
+      float_store(p, m, n0 + c, value);
+    }
+  }
+}
+
+#define EACH_FLOAT_TILE(TILE, BF16, n0, p)                                 \
+  switch ((p)->N - (n0) < FLOAT_TILE ? (p)->N - (n0) : FLOAT_TILE) {      \
+    case 4: TILE(BF16, 4, n0, p); break;                                   \
+    case 3: TILE(BF16, 3, n0, p); break;                                   \
+    case 2: TILE(BF16, 2, n0, p); break;                                   \
+    case 1: TILE(BF16, 1, n0, p); break;                                   \
+  }
+
+/* One parallel loop per version and weight type, as for the integer products below. */
+static AVX512_BF16 void bf16_avx512(const struct float_product *p) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < p->N; n0 += FLOAT_TILE) EACH_FLOAT_TILE(float_tile_avx512, 1, n0, p);
+}
+
+static AVX512_BF16 void f32_avx512(const struct float_product *p) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < p->N; n0 += FLOAT_TILE) EACH_FLOAT_TILE(float_tile_avx512, 0, n0, p);
+}
+
+static void bf16_avx2(const struct float_product *p) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < p->N; n0 += FLOAT_TILE) EACH_FLOAT_TILE(float_tile_avx2, 1, n0, p);
+}
+
+static void f32_avx2(const struct float_product *p) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < p->N; n0 += FLOAT_TILE) EACH_FLOAT_TILE(float_tile_avx2, 0, n0, p);
+}
+
+/* x [M, K] in float32, from x as it is (bf16: widened; round_to_bf16: rounded first), into scratch;
+ * x itself when nothing changes. NULL when there is no memory. */
+static const float *float_inputs(const void *x, int bf16, int round_to_bf16, int64_t count, void **scratch) {
+  if (!bf16 && !round_to_bf16) return x;
+  float *values = *scratch = malloc(sizeof(float) * (size_t)count);
+  if (values != NULL)
+    for (int64_t i = 0; i < count; ++i)
+      values[i] = bf16 ? bf16_to_float(((const uint16_t *)x)[i])
+                       : bf16_to_float(float_to_bf16(((const float *)x)[i]));
+  return values;
+}
+
+/* y [M, N] = x [M, K] times the float32 weights [N, K] + bias. Returns 0, or -1 when the inputs'
+ * scratch could not be allocated. */
+int f32_mm(const void *x, int64_t M, int64_t K, int bf16, const float *weights, int64_t N, const void *bias,
+           void *y) {
+  void *scratch = NULL;
+  struct float_product p = {M, K, N, float_inputs(x, bf16, 0, M * K, &scratch), weights, bias, y, bf16};
+  if (p.x == NULL) return -1;
+  if (intmm_isa(-1) == 1)
+    f32_avx512(&p);
+  else
+    f32_avx2(&p);
+  free(scratch);
+  return 0;
+}
+
+/* y [M, N] = x [M, K] (rounded to bf16) times the bf16 weights [N, K] + bias. Returns as f32_mm. */
+int bf16_mm(const void *x, int64_t M, int64_t K, int bf16, const uint16_t *weights, int64_t N, const void *bias,
+            void *y) {
+  void *scratch = NULL;
+  struct float_product p = {M, K, N, x, weights, bias, y, bf16};
+  const int avx512 = intmm_isa(-1) == 1 && avx512_bf16();
+  if (avx512 && !bf16) { /* the inputs rounded to bf16, as torch rounds */
+    uint16_t *rounded = scratch = malloc(sizeof(uint16_t) * (size_t)(M * K));
+    if (rounded == NULL) return -1;
+    for (int64_t i = 0; i < M * K; ++i) rounded[i] = float_to_bf16(((const float *)x)[i]);
+    p.x = rounded;
+  } else if (!avx512 && (p.x = float_inputs(x, bf16, 1, M * K, &scratch)) == NULL) {
+    return -1;
+  }
+  if (avx512)
+    bf16_avx512(&p);
+  else
+    bf16_avx2(&p);
+  free(scratch);
+  return 0;
+}
+
 /* The two products below differ in their weights' layout only, but each has its own parallel loop:
  * GCC outlines an OpenMP region before it inlines, so a loop shared through a function would call
  * the rows' kernel through a pointer, with ROWS no longer a constant. */
