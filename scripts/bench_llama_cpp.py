@@ -11,10 +11,9 @@ and quantizes that to bf16, q8_0 and q4_0, all under ``--gguf-dir``; later runs 
 Pairs compared (ours each eager and through ``lab.fast``'s compiled step): llama.cpp f32 against ours
 float32, bf16 against bfloat16, q8_0 against int8, q4_0 against int4 (weight-only, both: q8_0 and
 q4_0 keep a scale per 32 weights, ours per output row or per group), and q8_0 and q4_0 against
-w8a8 and w4a8 (int8
-activations, as llama.cpp's dot products quantize them). Each round times every configuration once:
-llama.cpp's ``llama-bench -r 1`` decoding ``--tokens`` after ``--prompt-tokens`` of context (``-d``), ours
-``Decoder.step`` after a prompt of the same length.
+w8a8 and w4a8 (int8 activations, as llama.cpp's dot products quantize them). Each round times
+every configuration once: llama.cpp's ``llama-bench -r 1`` decoding ``--tokens`` after
+``--prompt-tokens`` of context (``-d``), ours ``Decoder.step`` after a prompt of the same length.
 
 ``--serving`` compares serving instead (``scripts/peer_serving.py``): ``llama-server`` with 4 slots
 on the q4_0 file against ``blocklab serve`` with each of ``SERVED``' dtypes and flags, 4
