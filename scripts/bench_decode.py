@@ -44,7 +44,7 @@ from lab import fast, flags, tokens
 from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
 from lab.decode import greedy_ms_per_token, stability
-from lab.float_kernels import FLOAT_KERNELS
+from lab.float_kernels import FLOAT_KERNELS, KernelReadOut
 from lab.generate import score
 from lab.measure import interleaved, interval
 from lab.model import GPT, Linear
@@ -144,19 +144,20 @@ def check_cost_alone(model: GPT, repeats: int = 200) -> float:
 
 @torch.inference_mode()
 def unembed_ms(model: GPT, repeats: int = 20) -> dict[str, float]:
-    """ms of one position's unembedding: lab.intmm's kernel on the tied [V, D] table (what the
-    read-out uses, lab.float_kernels), torch.mv and F.linear on it, and a product with a transposed
-    contiguous [D, V] copy."""
+    """ms of one position's unembedding: torch.mv and F.linear on the tied [V, D] table, a product with
+    a transposed contiguous [D, V] copy, and lab.intmm's kernel on the table where the model reads out
+    through it (lab.float_kernels); "(used)" marks what the read-out does."""
     h = torch.randn(model.config.n_embd, dtype=model.wte.weight.dtype)  # [D]
     table = model.wte.weight  # [V, D]
     table_t = table.t().contiguous()  # [D, V]
-    kernel = FLOAT_KERNELS[table.dtype]
+    kernels = isinstance(model.read_out, KernelReadOut)
     ways = {
-        "lab.intmm [V, D] (used)": lambda: kernel(h[None], table),  # [1, V]
-        "mv [V, D]": lambda: torch.mv(table, h),  # [V]
+        f"mv [V, D]{'' if kernels else ' (used)'}": lambda: torch.mv(table, h),  # [V]
         "F.linear [V, D]": lambda: F.linear(h[None], table),  # [1, V]
         "h @ [D, V] copy": lambda: h[None] @ table_t,  # [1, V]
     }
+    if kernels:  # the read-out's own product (none where lab.intmm does not build)
+        ways["lab.intmm [V, D] (used)"] = lambda: FLOAT_KERNELS[table.dtype](h[None], table)  # [1, V]
     return {name: statistics.median(_timed(way) for _ in range(repeats)) * 1e3 for name, way in ways.items()}
 
 

@@ -151,12 +151,17 @@ struct product {
   int bf16;
 };
 
-static inline void store(const struct product *p, int64_t m, int64_t n, float value) {
-  if (p->bias != NULL) value += load(p->bias, p->bf16, n);
-  if (p->bf16)
-    ((uint16_t *)p->y)[m * p->N + n] = float_to_bf16(value);
+/* y[m, n] = value + bias[n], y and bias float32 or (bf16) rounded once to bf16: every product's output. */
+static inline void write_output(void *y, const void *bias, int bf16, int64_t N, int64_t m, int64_t n, float value) {
+  if (bias != NULL) value += load(bias, bf16, n);
+  if (bf16)
+    ((uint16_t *)y)[m * N + n] = float_to_bf16(value);
   else
-    ((float *)p->y)[m * p->N + n] = value;
+    ((float *)y)[m * N + n] = value;
+}
+
+static inline void store(const struct product *p, int64_t m, int64_t n, float value) {
+  write_output(p->y, p->bias, p->bf16, p->N, m, n, value);
 }
 
 static inline float sum_lanes(__m256 v) {
@@ -440,11 +445,7 @@ struct float_product {
 };
 
 static inline void float_store(const struct float_product *p, int64_t m, int64_t n, float value) {
-  if (p->bias != NULL) value += load(p->bias, p->bf16, n);
-  if (p->bf16)
-    ((uint16_t *)p->y)[m * p->N + n] = float_to_bf16(value);
-  else
-    ((float *)p->y)[m * p->N + n] = value;
+  write_output(p->y, p->bias, p->bf16, p->N, m, n, value);
 }
 
 /* Outputs n0 .. n0 + COLS - 1 of every row; COLS and BF16 (the weights' type) constants in each call. */
@@ -457,17 +458,18 @@ static inline AVX512_BF16 __attribute__((always_inline)) void float_tile_avx512(
     __m512 acc[FLOAT_TILE];
     for (int c = 0; c < COLS; ++c) acc[c] = _mm512_setzero_ps();
     for (int64_t k = 0; k < full; k += step) {
+      const __m512i a = _mm512_loadu_si512(BF16 ? (const void *)((const uint16_t *)p->x + m * K + k)
+                                                : (const void *)((const float *)p->x + m * K + k));
       for (int c = 0; c < COLS; ++c) {
         const int64_t at = (n0 + c) * K + k;
         if (BF16) {
           const uint16_t *w = (const uint16_t *)p->weights + at;
           if (m == 0) _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
-          const __m512bh a = (__m512bh)_mm512_loadu_si512((const uint16_t *)p->x + m * K + k);
-          acc[c] = _mm512_dpbf16_ps(acc[c], a, (__m512bh)_mm512_loadu_si512(w));
+          acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)a, (__m512bh)_mm512_loadu_si512(w));
         } else {
           const float *w = (const float *)p->weights + at;
           if (m == 0) _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
-          acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_loadu_ps((const float *)p->x + m * K + k), acc[c]);
+          acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_castsi512_ps(a), acc[c]);
         }
       }
     }
