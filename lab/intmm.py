@@ -4,6 +4,7 @@
     packed, scales_zeros = intmm.w4a8_pack(codes, scales_and_zeros)    # lab.quantize's int4 codes
     y = intmm.w4a8_matmul(x, packed, scales_zeros, bias)                # x [M, K] -> y [M, N]
     y = intmm.w8a8_matmul(x, values, scales, bias)                     # lab.quantize's int8 rows
+    y = intmm.attend_rows(qkv, k_caches, v_caches, positions, n_head)  # decode attention, every row
     intmm.unavailable()                                                # None, or why not here
     intmm.instruction_set()                                            # "avx2" or "avx512-vnni"
 
@@ -25,6 +26,10 @@ ctypes: plain C needs none of torch's headers, whose build takes a minute. Compi
 parallel loops run on torch's threads, as many as ``torch.get_num_threads()``, under the same wait
 policy (``lab.threads``). Inside ``torch.compile`` each product is a custom op,
 ``blocklab::w4a8_mm`` and ``blocklab::w8a8_mm``.
+
+The same file holds the float32 and bf16 products (``lab.float_kernels``) and a decode step's
+attention (``attend_rows``, ``lab.attention_kernel``): what a decode step spends outside torch's
+fastest kernels, at sizes where a call into torch costs more than the work.
 """
 
 from __future__ import annotations
@@ -159,6 +164,8 @@ def _library() -> ctypes.CDLL:
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
     library.intmm_isa.restype, library.intmm_isa.argtypes = ctypes.c_int, [ctypes.c_int]
+    library.attend_rows.restype = ctypes.c_int
+    library.attend_rows.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 6
     for kernel in (_W4A8, _W8A8, _BF16, _F32):
         function = getattr(library, kernel.name)
         function.restype = ctypes.c_int
@@ -206,3 +213,39 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def f32_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] times float32 weights [N, K] + bias [N]: y [M, N], summed in float32. Any K."""
     return _F32(x, (weight,), bias)
+
+
+def attend_rows(
+    qkv: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], positions: list[int],
+    n_head: int,
+) -> torch.Tensor:  # fmt: skip
+    """Decode attention, every row in one call: row b of qkv [B, 3D] (its query, key and value) writes
+    its key and value at ``positions[b]`` of its own caches ``k_caches[b]``, ``v_caches[b]`` (dense
+    [1, H, T_max, Dh] or [H, T_max, Dh] each, any T_max) and its query reads positions
+    0..positions[b] there: y [B, D], the heads side by side. float32 or bf16 throughout; each row
+    computed as if alone (batch-invariant)."""
+    B, three_d = qkv.shape
+    D = three_d // 3
+    Dh = D // n_head
+    dtype = qkv.dtype
+    if dtype is not torch.float32 and dtype is not torch.bfloat16 or not qkv.is_contiguous():
+        raise ValueError(f"attend_rows: qkv dense float32 or bf16 [B, 3D], got {dtype} {list(qkv.shape)}")
+    lengths = []
+    for cache, position in zip([*k_caches, *v_caches], positions * 2, strict=True):
+        t_max = cache.size(-2)
+        if cache.dtype is not dtype or not cache.is_contiguous() or cache.shape[-3:] != (n_head, t_max, Dh):
+            expected = f"dense {dtype} [1, {n_head}, T_max, {Dh}]"
+            raise ValueError(f"attend_rows: caches {expected}, got {cache.dtype} {list(cache.shape)}")
+        if not 0 <= position < t_max:
+            raise ValueError(f"attend_rows: position {position} outside a cache of {t_max}")
+        lengths.append(t_max)
+    pointers, integers = ctypes.c_void_p * B, ctypes.c_int64 * B
+    keys, values = pointers(*[k.data_ptr() for k in k_caches]), pointers(*[v.data_ptr() for v in v_caches])
+    y = torch.empty(B, D, dtype=dtype)
+    status = _library().attend_rows(
+        B, n_head, Dh, dtype is torch.bfloat16, qkv.data_ptr(), keys, values,
+        integers(*lengths[:B]), integers(*positions), y.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError(f"attend_rows: no memory for the scores of {B} rows")
+    return y

@@ -131,26 +131,41 @@ class CausalSelfAttention(nn.Module):
         different sequences decoded together, ``lab.decode.decode_rows``). ``pos`` as a tensor [T]: tokens
         over a static cache (``attend_static``)."""
         B, T, D = x.shape
-        H, Dh = self.n_head, self.head_dim
         qkv = self.qkv(self.c_attn(x))  # [B, T, 3D]
+        if isinstance(cache, list):
+            y = self.attend_rows(qkv, cache, pos)  # [B, T, D]
+        else:
+            q, k, v = self._heads(qkv)  # [B, H, T, Dh] each
+            if isinstance(pos, torch.Tensor):
+                y = attend_static(q, k, v, cache, pos)  # [B, H, T, Dh]
+            else:
+                if cache is not None:
+                    k, v = extend_cache(cache, k, v, pos)  # [B, H, S, Dh], S = pos + T
+                y = self._attend(q, k, v)  # [B, H, T, Dh]
+            y = y.transpose(1, 2).reshape(B, T, D)  # [B, T, D]
+        return self.resid_dropout(self.c_proj(self.z(y)))  # [B, T, D]
+
+    def attend_rows(self, qkv: torch.Tensor, caches: list[LayerCache], positions: list[int]) -> torch.Tensor:
+        """Rows of different sequences decoded together (``lab.decode.decode_rows``): row b of qkv
+        [B, T, 3D] over its own cache ``caches[b]`` ([1, H, T_max, Dh] each) at ``positions[b]``, the
+        same call whatever shares the step: [B, T, D]."""
+        B, T, D = qkv.size(0), qkv.size(1), qkv.size(2) // 3
+        q, k, v = self._heads(qkv)  # [B, H, T, Dh] each
+        rows = [
+            self._attend(q[b : b + 1], *extend_cache(caches[b], k[b : b + 1], v[b : b + 1], positions[b]))
+            for b in range(B)
+        ]
+        return torch.cat(rows).transpose(1, 2).reshape(B, T, D)  # [B, T, D]
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [B, T, 3D] -> the queries, keys and values split into heads, [B, H, T, Dh] each."""
+        B, T, D = qkv.size(0), qkv.size(1), qkv.size(2) // 3
+        H, Dh = self.n_head, self.head_dim
         q, k, v = qkv.split(D, dim=2)  # 3 x [B, T, D]
         q = q.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
         k = k.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
         v = v.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
-        if isinstance(cache, list):  # each row over its own cache, the same call whatever shares the step
-            rows = [
-                self._attend(q[b : b + 1], *extend_cache(cache[b], k[b : b + 1], v[b : b + 1], pos[b]))
-                for b in range(B)
-            ]
-            y = torch.cat(rows)  # [B, H, T, Dh]
-        elif isinstance(pos, torch.Tensor):
-            y = attend_static(q, k, v, cache, pos)  # [B, H, T, Dh]
-        else:
-            if cache is not None:
-                k, v = extend_cache(cache, k, v, pos)  # [B, H, S, Dh], S = pos + T
-            y = self._attend(q, k, v)  # [B, H, T, Dh]
-        y = self.z(y.transpose(1, 2).reshape(B, T, D))  # [B, T, D]
-        return self.resid_dropout(self.c_proj(y))  # [B, T, D]
+        return q, k, v
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, H, T, Dh] over k, v [B, H, S, Dh]; query t (position S - T + t) reads keys 0..S - T + t."""

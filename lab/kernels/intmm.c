@@ -637,3 +637,90 @@ int w8a8_mm(const void *x, int64_t M, int64_t K, int bf16, const int8_t *values,
   for (int64_t n = 0; n < N; ++n) each_row(w8a8_rows, n, &p);
   return release(&p.a);
 }
+
+/* Decode attention: each row's newest token over its own cache, every row of a block in one call.
+ *
+ * Row b's query, key and value are qkv[b] = (q, k, v), D = H * Dh each, head h at h * Dh. Its cache
+ * is its own pair of tensors [H, t_max[b], Dh] (a decoder's KVCache layer): k and v are written at
+ * position pos[b], then the query reads positions 0 .. pos[b]:
+ *   y[b, h] = sum_s softmax_s(q_h . k_s / sqrt(Dh)) v_s
+ * written at y[b, h * Dh] ([B, D]: the heads already side by side, as c_proj reads them). Sums and
+ * the softmax in float32; bf16 caches are read and written as they are and y is rounded once.
+ * One (row, head) per task, each summed in the same order whatever rows share the call, so a row's
+ * result does not depend on the others (batch invariance). torch's scaled_dot_product_attention
+ * costs tens of microseconds a call at these sizes (and more in bf16), one call per row and block:
+ * most of it fixed cost, a share of the step that the products left behind. */
+static inline __attribute__((always_inline)) float dot_row(const int BF16, const float *q, const void *k,
+                                                           int64_t Dh) {
+  float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; /* 8 independent sums: one vector */
+  int64_t d = 0;
+  for (; d + 8 <= Dh; d += 8)
+    for (int j = 0; j < 8; ++j) lanes[j] += q[d + j] * load(k, BF16, d + j);
+  float total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+  for (; d < Dh; ++d) total += q[d] * load(k, BF16, d);
+  return total;
+}
+
+static inline __attribute__((always_inline)) void attend_head(const int BF16, int64_t D, int64_t Dh,
+                                                              const void *qkv, void *k_cache, void *v_cache,
+                                                              int64_t t_max, int64_t pos, int64_t h, void *y,
+                                                              float *scratch) {
+  const size_t width = BF16 ? 2 : 4;
+  char *k_head = (char *)k_cache + (size_t)(h * t_max * Dh) * width; /* [t_max, Dh] */
+  char *v_head = (char *)v_cache + (size_t)(h * t_max * Dh) * width;
+  memcpy(k_head + (size_t)(pos * Dh) * width, (const char *)qkv + (size_t)(D + h * Dh) * width, (size_t)Dh * width);
+  memcpy(v_head + (size_t)(pos * Dh) * width, (const char *)qkv + (size_t)(2 * D + h * Dh) * width, (size_t)Dh * width);
+  float *q = scratch, *out = scratch + Dh, *weights = scratch + 2 * Dh; /* [Dh], [Dh], [pos + 1] */
+  const float scale = 1.f / sqrtf((float)Dh);
+  for (int64_t d = 0; d < Dh; ++d) q[d] = load(qkv, BF16, h * Dh + d) * scale;
+  float top = -INFINITY;
+  for (int64_t s = 0; s <= pos; ++s) {
+    weights[s] = dot_row(BF16, q, k_head + (size_t)(s * Dh) * width, Dh);
+    top = fmaxf(top, weights[s]);
+  }
+  float total = 0.f;
+  for (int64_t s = 0; s <= pos; ++s) {
+    weights[s] = expf(weights[s] - top);
+    total += weights[s];
+  }
+  for (int64_t d = 0; d < Dh; ++d) out[d] = 0.f;
+  for (int64_t s = 0; s <= pos; ++s) {
+    const void *v = v_head + (size_t)(s * Dh) * width;
+    for (int64_t d = 0; d < Dh; ++d) out[d] += weights[s] * load(v, BF16, d);
+  }
+  const float inverse = 1.f / total;
+  for (int64_t d = 0; d < Dh; ++d) {
+    const float value = out[d] * inverse;
+    if (BF16)
+      ((uint16_t *)y)[h * Dh + d] = float_to_bf16(value);
+    else
+      ((float *)y)[h * Dh + d] = value;
+  }
+}
+
+/* y [B, H * Dh] from qkv [B, 3 * H * Dh] over each row's caches k_caches[b], v_caches[b] ([H, t_max[b],
+ * Dh] each, written at pos[b]). bf16: qkv, the caches and y are bf16, else float32. Returns 0, or -1
+ * when there is no memory for a task's scratch. */
+int attend_rows(int64_t B, int64_t H, int64_t Dh, int bf16, const void *qkv, void *const *k_caches,
+                void *const *v_caches, const int64_t *t_max, const int64_t *pos, void *y) {
+  const int64_t D = H * Dh;
+  const size_t width = bf16 ? 2 : 4;
+  int status = 0;
+#pragma omp parallel for schedule(static) reduction(min : status)
+  for (int64_t task = 0; task < B * H; ++task) {
+    const int64_t b = task / H, h = task % H;
+    float *scratch = malloc(sizeof(float) * (size_t)(2 * Dh + pos[b] + 1));
+    if (scratch == NULL) {
+      status = -1;
+      continue;
+    }
+    const void *row = (const char *)qkv + (size_t)(b * 3 * D) * width;
+    void *out = (char *)y + (size_t)(b * D) * width;
+    if (bf16)
+      attend_head(1, D, Dh, row, k_caches[b], v_caches[b], t_max[b], pos[b], h, out, scratch);
+    else
+      attend_head(0, D, Dh, row, k_caches[b], v_caches[b], t_max[b], pos[b], h, out, scratch);
+    free(scratch);
+  }
+  return status;
+}
