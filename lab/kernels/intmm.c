@@ -650,15 +650,49 @@ int w8a8_mm(const void *x, int64_t M, int64_t K, int bf16, const int8_t *values,
  * result does not depend on the others (batch invariance). torch's scaled_dot_product_attention
  * costs tens of microseconds a call at these sizes (and more in bf16), one call per row and block:
  * most of it fixed cost, a share of the step that the products left behind. */
-static inline __attribute__((always_inline)) float dot_row(const int BF16, const float *q, const void *k,
-                                                           int64_t Dh) {
-  float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; /* 8 independent sums: one vector */
+static inline __attribute__((always_inline)) __m256 widen_lanes(const int BF16, const void *x, int64_t i) {
+  if (!BF16) return _mm256_loadu_ps((const float *)x + i);
+  const __m128i halves = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16)); /* bf16: float's top half */
+}
+
+/* scores[s] = q . k_s for s in 0..COUNT-1 (COUNT <= 4 keys of Dh, one after another): one chain of
+ * multiply-adds per key, so the four proceed at once instead of waiting on each other. */
+static inline __attribute__((always_inline)) void dot_keys(const int BF16, const int COUNT, const float *q,
+                                                           const void *k, int64_t Dh, float *scores) {
+  __m256 lanes[4];
+  for (int c = 0; c < COUNT; ++c) lanes[c] = _mm256_setzero_ps();
   int64_t d = 0;
-  for (; d + 8 <= Dh; d += 8)
-    for (int j = 0; j < 8; ++j) lanes[j] += q[d + j] * load(k, BF16, d + j);
-  float total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-  for (; d < Dh; ++d) total += q[d] * load(k, BF16, d);
-  return total;
+  for (; d + 8 <= Dh; d += 8) {
+    const __m256 query = _mm256_loadu_ps(q + d);
+    for (int c = 0; c < COUNT; ++c) lanes[c] = _mm256_fmadd_ps(query, widen_lanes(BF16, k, c * Dh + d), lanes[c]);
+  }
+  for (int c = 0; c < COUNT; ++c) {
+    float total = sum_lanes(lanes[c]);
+    for (int64_t tail = d; tail < Dh; ++tail) total += q[tail] * load(k, BF16, c * Dh + tail);
+    scores[c] = total;
+  }
+}
+
+/* e^x for 8 lanes of x <= 0 (scores minus their maximum): Cephes' expf, 2^n times a degree-5
+ * polynomial on the remainder, within 2 ulp of expf; below -87, 0. One call in place of eight to
+ * libm, which bounded the softmax. */
+static inline __m256 exp_lanes(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln 2 in two parts: x - n ln 2, exactly */
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(scale)));
 }
 
 static inline __attribute__((always_inline)) void attend_head(const int BF16, int64_t D, int64_t Dh,
@@ -670,26 +704,40 @@ static inline __attribute__((always_inline)) void attend_head(const int BF16, in
   char *v_head = (char *)v_cache + (size_t)(h * t_max * Dh) * width;
   memcpy(k_head + (size_t)(pos * Dh) * width, (const char *)qkv + (size_t)(D + h * Dh) * width, (size_t)Dh * width);
   memcpy(v_head + (size_t)(pos * Dh) * width, (const char *)qkv + (size_t)(2 * D + h * Dh) * width, (size_t)Dh * width);
-  float *q = scratch, *out = scratch + Dh, *weights = scratch + 2 * Dh; /* [Dh], [Dh], [pos + 1] */
+  const int64_t S = pos + 1, S8 = (S + 7) / 8 * 8;
+  float *q = scratch, *out = scratch + Dh, *weights = scratch + 2 * Dh; /* [Dh], [Dh], [S rounded up to 8] */
   const float scale = 1.f / sqrtf((float)Dh);
   for (int64_t d = 0; d < Dh; ++d) q[d] = load(qkv, BF16, h * Dh + d) * scale;
+  int64_t s = 0;
+  for (; s + 4 <= S; s += 4) dot_keys(BF16, 4, q, k_head + (size_t)(s * Dh) * width, Dh, weights + s);
+  for (; s < S; ++s) dot_keys(BF16, 1, q, k_head + (size_t)(s * Dh) * width, Dh, weights + s);
   float top = -INFINITY;
-  for (int64_t s = 0; s <= pos; ++s) {
-    weights[s] = dot_row(BF16, q, k_head + (size_t)(s * Dh) * width, Dh);
-    top = fmaxf(top, weights[s]);
+  for (s = 0; s < S; ++s) top = fmaxf(top, weights[s]);
+  for (s = S; s < S8; ++s) weights[s] = -INFINITY; /* e^-inf: 0, outside the sum */
+  __m256 totals = _mm256_setzero_ps();
+  for (s = 0; s < S8; s += 8) {
+    const __m256 e = exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(weights + s), _mm256_set1_ps(top)));
+    _mm256_storeu_ps(weights + s, e);
+    totals = _mm256_add_ps(totals, e);
   }
-  float total = 0.f;
-  for (int64_t s = 0; s <= pos; ++s) {
-    weights[s] = expf(weights[s] - top);
-    total += weights[s];
+  const float total = sum_lanes(totals);
+  int64_t d = 0;
+  for (; d + 32 <= Dh; d += 32) { /* 32 outputs at a time in registers, every position's value into them */
+    __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (s = 0; s < S; ++s) {
+      const __m256 weight = _mm256_set1_ps(weights[s]);
+      const void *v = v_head + (size_t)(s * Dh) * width;
+      for (int j = 0; j < 4; ++j) sums[j] = _mm256_fmadd_ps(weight, widen_lanes(BF16, v, d + 8 * j), sums[j]);
+    }
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + d + 8 * j, sums[j]);
   }
-  for (int64_t d = 0; d < Dh; ++d) out[d] = 0.f;
-  for (int64_t s = 0; s <= pos; ++s) {
-    const void *v = v_head + (size_t)(s * Dh) * width;
-    for (int64_t d = 0; d < Dh; ++d) out[d] += weights[s] * load(v, BF16, d);
+  for (; d < Dh; ++d) {
+    float sum = 0.f;
+    for (s = 0; s < S; ++s) sum += weights[s] * load(v_head + (size_t)(s * Dh) * width, BF16, d);
+    out[d] = sum;
   }
   const float inverse = 1.f / total;
-  for (int64_t d = 0; d < Dh; ++d) {
+  for (d = 0; d < Dh; ++d) {
     const float value = out[d] * inverse;
     if (BF16)
       ((uint16_t *)y)[h * Dh + d] = float_to_bf16(value);
@@ -698,6 +746,10 @@ static inline __attribute__((always_inline)) void attend_head(const int BF16, in
   }
 }
 
+/* Below this many (head, position) pairs in a call, one thread attends them all: waking the others
+ * costs more than the work (a few nanoseconds a pair). */
+#define ATTEND_PARALLEL_PAIRS 1024
+
 /* y [B, H * Dh] from qkv [B, 3 * H * Dh] over each row's caches k_caches[b], v_caches[b] ([H, t_max[b],
  * Dh] each, written at pos[b]). bf16: qkv, the caches and y are bf16, else float32. Returns 0, or -1
  * when there is no memory for a task's scratch. */
@@ -705,11 +757,13 @@ int attend_rows(int64_t B, int64_t H, int64_t Dh, int bf16, const void *qkv, voi
                 void *const *v_caches, const int64_t *t_max, const int64_t *pos, void *y) {
   const int64_t D = H * Dh;
   const size_t width = bf16 ? 2 : 4;
+  int64_t pairs = 0;
+  for (int64_t b = 0; b < B; ++b) pairs += H * (pos[b] + 1);
   int status = 0;
-#pragma omp parallel for schedule(static) reduction(min : status)
+#pragma omp parallel for schedule(static) reduction(min : status) if (pairs >= ATTEND_PARALLEL_PAIRS)
   for (int64_t task = 0; task < B * H; ++task) {
     const int64_t b = task / H, h = task % H;
-    float *scratch = malloc(sizeof(float) * (size_t)(2 * Dh + pos[b] + 1));
+    float *scratch = malloc(sizeof(float) * (size_t)(2 * Dh + pos[b] + 8));
     if (scratch == NULL) {
       status = -1;
       continue;
