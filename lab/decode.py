@@ -44,6 +44,7 @@ from lab.exit_probe import check_fits
 from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
 from lab.model import GPT, Block, KVCache, Linear, extend_cache
 from lab.rows import ROWS_ALONE
+from lab.sampling import greedy_token
 
 
 def stability(read_now: torch.Tensor, read_before: torch.Tensor) -> torch.Tensor:
@@ -259,9 +260,9 @@ def greedy_ms_per_token(model: GPT, block_set: BlockSet, prompt: list[int], n_to
     """ms per token of batch-1 greedy decoding of ``n_tokens`` after ``prompt`` (its prefill not
     counted): what the benchmarks time."""
     decoder = Decoder(model, block_set, max_len=len(prompt) + n_tokens + 1)
-    token = int(decoder.prefill(prompt).argmax())
+    token = greedy_token(decoder.prefill(prompt))
     start = time.perf_counter()
     for _ in range(n_tokens):
         logits, _ = decoder.step(token)
-        token = int(logits.argmax())
+        token = greedy_token(logits)
     return (time.perf_counter() - start) * 1e3 / n_tokens

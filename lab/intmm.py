@@ -5,6 +5,7 @@
     y = intmm.w4a8_matmul(x, packed, scales_zeros, bias)                # x [M, K] -> y [M, N]
     y = intmm.w8a8_matmul(x, values, scales, bias)                     # lab.quantize's int8 rows
     y = intmm.attend_rows(qkv, k_caches, v_caches, positions, n_head)  # decode attention, every row
+    index = intmm.argmax(logits)                                       # greedy decoding's pick, an int
     intmm.unavailable()                                                # None, or why not here
     intmm.instruction_set()                                            # "avx2" or "avx512-vnni"
 
@@ -27,9 +28,9 @@ parallel loops run on torch's threads, as many as ``torch.get_num_threads()``, u
 policy (``lab.threads``). Inside ``torch.compile`` each product is a custom op,
 ``blocklab::w4a8_mm`` and ``blocklab::w8a8_mm``.
 
-The same file holds the float32 and bf16 products (``lab.float_kernels``) and a decode step's
-attention (``attend_rows``, ``lab.attention_kernel``): what a decode step spends outside torch's
-fastest kernels, at sizes where a call into torch costs more than the work.
+The same file holds the float32 and bf16 products (``lab.float_kernels``), a decode step's
+attention (``attend_rows``, ``lab.attention_kernel``) and greedy decoding's ``argmax``: what a decode
+step spent in torch's slower kernels, at sizes where a call into torch costs more than the work.
 """
 
 from __future__ import annotations
@@ -164,6 +165,8 @@ def _library() -> ctypes.CDLL:
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
     library.intmm_isa.restype, library.intmm_isa.argtypes = ctypes.c_int, [ctypes.c_int]
+    library.argmax.restype = ctypes.c_int64
+    library.argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]  # x, n, bf16
     library.attend_rows.restype = ctypes.c_int
     library.attend_rows.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 6
     for kernel in (_W4A8, _W8A8, _BF16, _F32):
@@ -249,3 +252,11 @@ def attend_rows(
     if status != 0:
         raise MemoryError(f"attend_rows: no memory for the scores of {B} rows")
     return y
+
+
+def argmax(x: torch.Tensor) -> int:
+    """The index of the largest value of x [n] (float32 or bf16, dense, on the CPU), the first of
+    equals; the first NaN's where there is one: what ``int(x.argmax())`` answers."""
+    if x.dim() != 1 or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
+        raise ValueError(f"argmax: x dense float32 or bf16 [n], got {x.dtype} {list(x.shape)}")
+    return _library().argmax(x.data_ptr(), x.numel(), x.dtype is torch.bfloat16)

@@ -9,12 +9,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from lab import intmm
 from lab.errors import UserError
 
 FinishReason = Literal["stop", "length", "scored"]
@@ -84,11 +86,26 @@ def token_probabilities(logits: torch.Tensor, sampling: SamplingParams) -> torch
     return probs
 
 
+@functools.cache
+def _argmax_builds() -> bool:
+    return intmm.unavailable() is None
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """The most likely token of logits [V] (the first of equals): ``lab.intmm.argmax`` where it takes
+    them (float32 or bf16 on a CPU where it builds; torch's argmax spends tens of microseconds over
+    GPT-2's vocabulary, a share of a decode step), else torch's."""
+    kernel = logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
+    if kernel and logits.dim() == 1 and logits.is_contiguous() and _argmax_builds():
+        return intmm.argmax(logits)
+    return int(logits.argmax())
+
+
 def pick_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
     """Greedy when the temperature is 0, else a draw from ``token_probabilities``. logits [V]. The one
     sampler: ``lab.generate``, speculation and the server all draw with it."""
     if sampling.temperature == 0.0:
-        return int(logits.argmax())
+        return greedy_token(logits)
     probs = token_probabilities(logits, sampling)  # [V]
     return int(torch.multinomial(probs, 1, generator=generator))
 

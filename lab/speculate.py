@@ -24,7 +24,7 @@ from lab.decode import Decoder
 from lab.errors import UserError
 from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
 from lab.model import GPT
-from lab.sampling import SamplingParams, pick_token, token_probabilities
+from lab.sampling import SamplingParams, greedy_token, pick_token, token_probabilities
 
 
 @dataclass
@@ -68,7 +68,7 @@ class DraftVocabulary:
 
     def token(self, logits: torch.Tensor) -> int:
         """The most likely token of a draft's logits [N]."""
-        return int(self.tokens[logits.argmax()])
+        return int(self.tokens[greedy_token(logits)])
 
     def probabilities(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
         """The distribution a draft is drawn from, over every token [V] (none outside the vocabulary),
@@ -146,7 +146,7 @@ class Speculator:
             streams.append(stream)
             vocabulary = self.vocabulary
             if sampling.temperature == 0.0:
-                token = int(logits.argmax()) if vocabulary is None else vocabulary.token(logits)
+                token = greedy_token(logits) if vocabulary is None else vocabulary.token(logits)
             else:
                 draft_probs.append(
                     token_probabilities(logits, sampling)
@@ -194,7 +194,7 @@ class Speculator:
         out = []
         for j, draft in enumerate(drafts):
             if greedy:
-                agreed = int(target[j].argmax()) == draft
+                agreed = greedy_token(target[j]) == draft
             else:
                 p, q = token_probabilities(target[j], sampling), draft_probs[j]
                 u = float(torch.rand((), generator=generator, device=target.device))
@@ -203,7 +203,7 @@ class Speculator:
                 out.append((draft, float(logprobs[j, draft])))
                 continue
             if greedy:
-                token = int(target[j].argmax())
+                token = greedy_token(target[j])
             else:
                 residual = (p - q).clamp(min=0.0)
                 total = float(residual.sum())

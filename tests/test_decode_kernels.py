@@ -1,7 +1,8 @@
-"""Decode attention through lab.intmm's kernel (lab.attention_kernel): the kernel is its definition and
-writes the caches as torch's path does, each row is computed as if alone, the loader gives it to every
-model on the CPU without changing its parameters, decoding matches torch's attention, and hooks,
-prompts and gradients keep torch's."""
+"""A decode step's attention and greedy pick through lab.intmm's kernels (lab.attention_kernel,
+lab.intmm.argmax): the attention kernel is its definition and writes the caches as torch's path does,
+each row is computed as if alone, the loader gives it to every model on the CPU without changing its
+parameters, decoding matches torch's attention, and hooks, prompts and gradients keep torch's; the
+argmax is torch's."""
 
 import math
 
@@ -128,3 +129,28 @@ def test_the_loader_gives_every_model_the_kernel(tmp_path, dtype):
     save_model(TinyModel(n_layer=2, n_embd=64, n_head=4)("cpu"), tmp_path)  # w4a8: widths of 64
     assert type(load_model(str(tmp_path), dtype).blocks[0].attn) is KernelAttention
     assert type(load_model(str(tmp_path), dtype, kernels=False).blocks[0].attn) is CausalSelfAttention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_answers_as_torch_does(dtype):
+    """Greedy decoding's pick (``lab.intmm.argmax``, ``lab.sampling.greedy_token``) is torch's
+    argmax: the first of equal largest values, the first NaN where there is one, at any length
+    (vector tails too); other layouts keep torch's."""
+    from lab.sampling import greedy_token
+
+    generator = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 50257):
+        for trial in range(40):
+            x = torch.randn(n, generator=generator).to(dtype)
+            at = torch.randint(n, (2,), generator=generator)
+            if trial % 3 == 0:
+                x[at[0]] = x.max()  # a tie with the largest, before or after it
+            if trial % 7 == 0:
+                x[at[1]] = float("nan")
+            if trial % 11 == 0:
+                x[:] = float("-inf")
+            assert intmm.argmax(x) == int(x.argmax()) == greedy_token(x), (n, trial)
+    columns = torch.randn(4, 9).to(dtype).t()[0]  # not dense: torch's argmax
+    assert greedy_token(columns) == int(columns.argmax())
+    with pytest.raises(ValueError, match="argmax: x dense"):
+        intmm.argmax(columns)
