@@ -67,10 +67,10 @@ def decode_rows(decode: dict) -> list[tuple[str, str, str]]:
             ),
             (f"decode: ours {dtype} / bandwidth bound", f"{decode['ratio_to_bound'][dtype]:.2f}", "<= 1.5"),
         ]
-        if dtype in (against_torch := decode.get("float_kernels_over_torch_products", {})):
-            torch_ms = ms[f"ours {dtype}, torch's products"]
+        if dtype in (against_torch := decode.get("lab_kernels_over_torch_kernels", {})):
+            torch_ms = ms[f"ours {dtype}, torch's kernels"]
             shown = f"{against_torch[dtype]:.2f} (torch's: {torch_ms:.1f} ms/token)"
-            rows.append((f"decode: ours {dtype}, lab.intmm's products / torch's", shown, ""))
+            rows.append((f"decode: ours {dtype}, lab.intmm's kernels / torch's", shown, ""))
         compiled = decode.get("compiled_over_eager", {})
         if dtype in compiled:
             shown = f"{compiled[dtype]:.2f} ({ms[f'ours {dtype} compiled']:.1f} ms/token)"

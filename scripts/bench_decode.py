@@ -11,8 +11,9 @@ shared with other jobs slows all of them alike. Reports:
 - ms/token of greedy decoding after a prompt (prefill excluded) for GPT-2 small shapes (``gpt2-random``):
   ``transformers.GPT2LMHeadModel`` fp32 (same weights, its own KV cache), and ours with fp32, bf16,
   weight-only int8 and int4 weights, and int8 and int4 weights times int8 activations (w8a8, w4a8;
-  ``lab.quantize``); fp32 and bf16 also with torch's products (``load_model(kernels=False)``), the
-  baseline of lab.float_kernels' products;
+  ``lab.quantize``); fp32, bf16 and w4a8 also with torch's kernels (``load_model(kernels=False)``:
+  torch's products for the float weights, torch's attention for all three), the baseline of
+  lab.intmm's;
 - the bandwidth bound: the weight bytes one token reads / the best read bandwidth measured here on a
   buffer of the same size, read again and again as decoding does (where the last-level cache is about
   as large as the weights, that is the cache's bandwidth more than the memory's);
@@ -53,8 +54,9 @@ from lab.weights import BUILTIN_MODELS, builtin_source, load_model
 
 LOW_PRECISION = ("bfloat16", "int8", "w8a8", "int4", "w4a8")
 """Weights besides fp32 that decoding is measured with (lab.quantize)."""
-FLOAT_DTYPES = ("float32", "bfloat16")
-"""Also timed with torch's products (``load_model(kernels=False)``): lab.float_kernels' baseline."""
+TORCH_KERNEL_DTYPES = ("float32", "bfloat16", "w4a8")
+"""Also timed with torch's kernels (``load_model(kernels=False)``): the baseline of lab.intmm's float
+products (lab.float_kernels) and decode attention (lab.attention_kernel)."""
 SKIPS = (3, 6, 9, 12)
 """Blocks skipped (the last k) in the per-block fit."""
 
@@ -212,13 +214,13 @@ def decode_ms(
     tokens: int,
     rounds: int,
     compiled: dict[str, GPT],
-    torch_products: dict[str, GPT],
+    torch_kernels: dict[str, GPT],
 ) -> tuple[dict, float]:
     """ms/token of every configuration (transformers fp32, ours in each dtype, ours fp32 with the adaptive
     check after every block and with k blocks skipped, each of ``compiled``: ours in that dtype
-    through lab.fast, and each of ``torch_products``: ours in that dtype without lab.float_kernels),
-    the median over ``rounds`` rounds each timing every configuration once; and the largest logit
-    difference between transformers and ours."""
+    through lab.fast, and each of ``torch_kernels``: ours in that dtype without lab.intmm's float
+    products and attention), the median over ``rounds`` rounds each timing every configuration once;
+    and the largest logit difference between transformers and ours."""
     ours = models["float32"]
     hf = hf_twin(ours)
     with torch.inference_mode():  # same weights, same function
@@ -235,8 +237,8 @@ def decode_ms(
         configs[f"ours float32 skip {k}"] = lambda b=block_set: greedy_ms_per_token(ours, b, prompt, tokens)
     for dtype, model in compiled.items():
         configs[f"ours {dtype} compiled"] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
-    for dtype, model in torch_products.items():
-        name = f"ours {dtype}, torch's products"
+    for dtype, model in torch_kernels.items():
+        name = f"ours {dtype}, torch's kernels"
         configs[name] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
     ms = {name: statistics.median(values) for name, values in interleaved(configs, rounds).items()}
     ms["ours float32 skip 0"] = ms["ours float32"]
@@ -343,8 +345,10 @@ def main(
         compiled = (
             {dtype: fast.accelerate(load_model("gpt2-random", dtype)) for dtype in models} if compile else {}
         )
-        torch_products = {dtype: load_model("gpt2-random", dtype, kernels=False) for dtype in FLOAT_DTYPES}
-        ms, diff = decode_ms(models, prompt, tokens, rounds, compiled, torch_products)
+        torch_kernels = {
+            dtype: load_model("gpt2-random", dtype, kernels=False) for dtype in TORCH_KERNEL_DTYPES
+        }
+        ms, diff = decode_ms(models, prompt, tokens, rounds, compiled, torch_kernels)
         n = ours.config.n_layer
         results = {
             "machine": platform.processor() or platform.machine(),
@@ -358,8 +362,8 @@ def main(
             "compiled_over_eager": {
                 dtype: ms[f"ours {dtype} compiled"] / ms[f"ours {dtype}"] for dtype in compiled
             },
-            "float_kernels_over_torch_products": {
-                dtype: ms[f"ours {dtype}"] / ms[f"ours {dtype}, torch's products"] for dtype in torch_products
+            "lab_kernels_over_torch_kernels": {
+                dtype: ms[f"ours {dtype}"] / ms[f"ours {dtype}, torch's kernels"] for dtype in torch_kernels
             },
             **bandwidth_results(models, ms),
             "fit": per_block_fit(ms, n),
