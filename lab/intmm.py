@@ -2,7 +2,7 @@
 
     from lab import intmm
     packed, scales_zeros = intmm.w4a8_pack(codes, scales_and_zeros)    # lab.quantize's int4 codes
-    y = intmm.w4a8_matmul(x, packed, scales_zeros, bias)                # x [M, K] -> y [M, N]
+    y = intmm.w4a8_matmul(x, packed, scales_zeros, bias, n)             # x [M, K] -> y [M, N]
     y = intmm.w8a8_matmul(x, values, scales, bias)                     # lab.quantize's int8 rows
     y = intmm.attend_rows(qkv, k_caches, v_caches, positions, n_head)  # decode attention, every row
     index = intmm.argmax(logits)                                       # greedy decoding's pick, an int
@@ -59,47 +59,50 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 @dataclass(frozen=True)
 class _Kernel:
     """One product of lab/kernels/intmm.c: its C function ``name`` takes x, M, K, bf16, then the
-    ``weights`` (dense tensors of ``dtypes``, the first [N, K / codes_per_byte]), then N, bias and y;
-    under torch.compile it is the custom op ``blocklab::<name>``."""
+    ``weights`` (dense tensors of ``dtypes``, the first [N rounded up to ``n_multiple``, K /
+    codes_per_byte]), then N, bias and y; under torch.compile it is the custom op
+    ``blocklab::<name>``."""
 
     name: str
     weights: tuple[str, ...]
     codes_per_byte: int
     dtypes: tuple[torch.dtype, ...]
     k_multiple: int = GROUP
+    n_multiple: int = 1
     op: torch.library.CustomOpDef = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         arguments = ", ".join(f"Tensor {weight}" for weight in self.weights)
         op = torch.library.custom_op(
             f"blocklab::{self.name}",
-            lambda x, *rest: self.product(x, rest[:-1], rest[-1]),
+            lambda x, *rest: self.product(x, rest[:-2], *rest[-2:]),
             mutates_args=(),
-            schema=f"(Tensor x, {arguments}, Tensor? bias) -> Tensor",
+            schema=f"(Tensor x, {arguments}, Tensor? bias, int n) -> Tensor",
         )
-        op.register_fake(lambda x, first, *rest: x.new_empty(x.size(0), first.size(0), dtype=_y_dtype(x)))
+        op.register_fake(lambda x, *rest: x.new_empty(x.size(0), rest[-1], dtype=_y_dtype(x)))
         object.__setattr__(self, "op", op)
 
-    def __call__(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None):
+    def __call__(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None, n: int):
         if torch.compiler.is_compiling():  # dynamo cannot trace ctypes: the custom op stands for it
-            return self.op(x, *weights, bias)
-        return self.product(x, weights, bias)  # eager: without the op's dispatch, a few us a call
+            return self.op(x, *weights, bias, n)
+        return self.product(x, weights, bias, n)  # eager: without the op's dispatch, a few us a call
 
-    def product(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None):
+    def product(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None, n: int):
         dtype = x.dtype
         if dtype is not torch.bfloat16 and dtype is not torch.float32:
             x, dtype = x.float(), torch.float32
         if not x.is_contiguous():
             x = x.contiguous()
         m, k = x.shape
-        first = weights[0]
-        n, width = first.shape
+        rows, width = weights[0].shape
         pairs = zip(weights, self.dtypes, strict=True)
         wrong = any(w.dtype is not d or not w.is_contiguous() for w, d in pairs)
-        if k % self.k_multiple or width * self.codes_per_byte != k or wrong:  # C reads them as they are
+        unpadded = rows != -(-n // self.n_multiple) * self.n_multiple
+        if k % self.k_multiple or width * self.codes_per_byte != k or wrong or unpadded:  # C reads them so
             named = ", ".join(f"{name} {kind}" for name, kind in zip(self.weights, self.dtypes, strict=True))
-            expected = f"{self.weights[0]} [N, K / {self.codes_per_byte}], dense: {named}"
-            got = f"{list(x.shape)} and {', '.join(f'{list(w.shape)} {w.dtype}' for w in weights)}"
+            rounded = "N" if self.n_multiple == 1 else f"N rounded up to {self.n_multiple}"
+            expected = f"{self.weights[0]} [{rounded}, K / {self.codes_per_byte}], dense: {named}"
+            got = f"{list(x.shape)}, N {n} and {', '.join(f'{list(w.shape)} {w.dtype}' for w in weights)}"
             widths = f"K a multiple of {self.k_multiple}"
             raise ValueError(f"{self.name}: x [M, K] with {widths} and {expected}, got {got}")
         if bias is not None and bias.dtype is not dtype:
@@ -119,7 +122,7 @@ def _y_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
-_W4A8 = _Kernel("w4a8_mm", ("packed", "scales_zeros"), 2, (torch.uint8, torch.bfloat16))
+_W4A8 = _Kernel("w4a8_mm", ("packed", "scales_zeros"), 2, (torch.uint8, torch.bfloat16), n_multiple=16)
 _W8A8 = _Kernel("w8a8_mm", ("values", "scales"), 1, (torch.int8, torch.float32))
 _BF16 = _Kernel("bf16_mm", ("weight",), 1, (torch.bfloat16,), k_multiple=1)
 _F32 = _Kernel("f32_mm", ("weight",), 1, (torch.float32,), k_multiple=1)
@@ -182,21 +185,31 @@ def _library() -> ctypes.CDLL:
 
 def w4a8_pack(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """lab.quantize's int4 codes [N, K] (0..15) and scales_and_zeros [K / 64, N, 2] -> the kernel's
-    packed weights [N, K / 2] uint8 and its (scale, zero) pairs [N, K / 64, 2] in bf16, as torch's
-    int4 kernel keeps them: the same weights as int4."""
+    layout (lab/kernels/intmm.c): the outputs in blocks of 16 (N padded with zeros to a multiple of
+    16), packed weights [N16 * 16, K / 2] uint8 holding [N16, K / 64, 8, 64] bytes, and the blocks'
+    scales and zeros [N16, K / 64, 2, 16] in bf16, as torch's int4 kernel keeps them: the same
+    weights as int4."""
     n, k = codes.shape
-    halves = codes.reshape(n, k // GROUP, 2, GROUP // 2).to(torch.uint8)  # [N, G, 2, 32]
-    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()  # [N, K / 2]
-    scales_zeros = scales_and_zeros.to(torch.bfloat16).transpose(0, 1).contiguous()  # [N, G, 2]
-    return packed, scales_zeros
+    blocks, groups = -(-n // 16), k // GROUP
+    padding = blocks * 16 - n
+    codes = torch.cat([codes.to(torch.uint8), codes.new_zeros(padding, k, dtype=torch.uint8)])  # [N16*16, K]
+    runs = codes.view(blocks, 16, groups, 8, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [N16, G, 8, half, 16, 4]
+    packed = (runs[:, :, :, 0] | (runs[:, :, :, 1] << 4)).reshape(blocks * 16, k // 2)  # [N16*16, K / 2]
+    pairs = torch.cat([scales_and_zeros, scales_and_zeros.new_zeros(groups, padding, 2)], 1)  # [G, N16*16, 2]
+    scales_zeros = pairs.to(torch.bfloat16).view(groups, blocks, 16, 2).permute(1, 0, 3, 2)  # [N16, G, 2, 16]
+    return packed.contiguous(), scales_zeros.contiguous()
 
 
 def w4a8_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    n: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] times the packed 4-bit weights [N, K / 2] and their bf16 (scale, zero) pairs
-    [N, K / 64, 2] (``w4a8_pack``), + bias [N]: y [M, N]."""
-    return _W4A8(x, (packed, scales_zeros), bias)
+    """x [M, K] times the packed 4-bit weights and their bf16 scales and zeros (``w4a8_pack``), +
+    bias [N]: y [M, N], N ``n`` (default: the packed rows, N rounded up to 16)."""
+    return _W4A8(x, (packed, scales_zeros), bias, packed.size(0) if n is None else n)
 
 
 def w8a8_matmul(
@@ -204,18 +217,18 @@ def w8a8_matmul(
 ) -> torch.Tensor:
     """x [M, K] times lab.quantize's int8 rows, values [N, K] int8 and scales [N] float32, + bias [N]:
     y [M, N]."""
-    return _W8A8(x, (values, scales), bias)
+    return _W8A8(x, (values, scales), bias, values.size(0))
 
 
 def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K], rounded to bf16, times bf16 weights [N, K] (a Linear's, laid out [out, in]) + bias [N]:
     y [M, N], summed in float32. Any K."""
-    return _BF16(x, (weight,), bias)
+    return _BF16(x, (weight,), bias, weight.size(0))
 
 
 def f32_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] times float32 weights [N, K] + bias [N]: y [M, N], summed in float32. Any K."""
-    return _F32(x, (weight,), bias)
+    return _F32(x, (weight,), bias, weight.size(0))
 
 
 def attend_rows(

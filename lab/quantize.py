@@ -111,8 +111,8 @@ class QuantizedLinear(nn.Module):
         elif kind == "w4a8":
             self.group_size = intmm.GROUP
             packed, scales_zeros = intmm.w4a8_pack(*quantize_groups_int4(weight, self.group_size))
-            self.register_buffer("weight_w4", packed)  # [Dout, Din / 2]
-            self.register_buffer("scales_zeros", scales_zeros)  # [Dout, Din / 64, 2] bf16
+            self.register_buffer("weight_w4", packed)  # [Dout rounded up to 16, Din / 2]
+            self.register_buffer("scales_zeros", scales_zeros)  # [Dout / 16, Din / 64, 2, 16] bf16
         else:
             self.group_size = next((g for g in INT4_GROUP_SIZES if self.in_features % g == 0), None)
             if self.group_size is None:
@@ -134,7 +134,7 @@ class QuantizedLinear(nn.Module):
         if x2d.dtype != torch.bfloat16:
             x2d = x2d.to(torch.bfloat16)
         if self.kind == "w4a8":  # lab.intmm reads bf16 as it is and adds the bias before rounding y
-            y = intmm.w4a8_matmul(x2d, self.weight_w4, self.scales_zeros, self.bias)  # [N, Dout]
+            y = intmm.w4a8_matmul(x2d, self.weight_w4, self.scales_zeros, self.bias, self.out_features)
         elif self.kind == "w8a8":
             y = intmm.w8a8_matmul(x2d, self.weight_int8, self.scales, self.bias)  # [N, Dout]
         else:

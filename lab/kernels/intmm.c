@@ -12,12 +12,17 @@
  * w4a8: w = (code - 8) * scale + zero per output row and group of 64 inputs (code in 0..15), so a
  * group's contribution to y[m, n] is
  *   scale * a_scale * (sum code * q  -  8 * sum q)  +  zero * sum a
- * (maddubs of the unsigned code and q: at most 2 * 15 * 127 a pair). Packed weights: [N, K / 2] bytes;
- * in each group of 64 inputs, byte j holds the code of input j in its low nibble and that of input
- * j + 32 in its high nibble, so one 32-byte load and two masks give the group's 64 codes in input
- * order. Scales and zeros: bf16 pairs [N, K / 64, 2] (scale, then zero), torch's int4 kernel's
- * precision: the same weights as --dtype int4, and the same bytes per weight (a decode step streams
- * every weight once, so bytes are time).
+ (maddubs of the unsigned code and q: at most 2 * 15 * 127 a pair). The weights are laid out with
+ * the outputs in the lanes, as llama.cpp's repacked q4_0 is: blocks of 16 outputs (N padded to a
+ * multiple of 16), and in each block and group of 64 inputs, 8 runs of 64 bytes, run i holding for
+ * each output c (bytes 4c .. 4c + 3) the codes of inputs 8i .. 8i + 3 in the low nibbles and of
+ * 8i + 4 .. 8i + 7 in the high ones: [N / 16, K / 64, 8, 64] bytes. One load and two masks give 16
+ * outputs' codes of 4 inputs each, and one dpbusd (AVX2: maddubs and madd) multiplies them by 4
+ * activations broadcast, summing into one int32 lane per output; a group's float work (its scale,
+ * zero and the activations' scale) is then one vector of 16 (AVX2: 8) outputs, not one per output.
+ * Scales and zeros: bf16 [N / 16, K / 64, 2, 16] (a block's 16 scales, then its 16 zeros), torch's
+ * int4 kernel's precision: the same weights as --dtype int4, and the same bytes per weight (a decode
+ * step streams every weight once, so bytes are time).
  *
  * w8a8: w = value * scale, value in -127..127 [N, K] bytes, one float32 scale per output row [N], so
  *   y[m, n] = scale * sum over groups of a_scale * sum value * q
@@ -33,10 +38,10 @@
  * multiplies unsigned by signed bytes and sums each four into an int32 lane in one instruction. There
  * w4a8's codes are the unsigned operand as they are; w8a8's values are signed, so the activations
  * are offset to unsigned (q + 128) and 128 * sum value taken back out: the same integer dot products
- * as AVX2's. The AVX-512 kernels also work on tiles of up to 4 rows by 4 outputs, so one load of the
- * weights serves 4 rows and one of the activations 4 outputs, and 4 outputs' sums proceed at once
- * (one row alone still keeps 4 multiply-add chains in flight); the activations are quantized 16 at a
- * time.
+ * as AVX2's. Both w4a8 kernels take up to 4 rows per load of the weights; the AVX-512 w8a8 kernel
+ * works on tiles of up to 4 rows by 4 outputs, so one load of the weights serves 4 rows and one of
+ * the activations 4 outputs, and 4 outputs' sums proceed at once (one row alone still keeps 4
+ * multiply-add chains in flight); the activations are quantized 16 at a time.
  *
  * Each output is computed by one thread in a fixed order whatever M is and whichever tile it falls
  * in, so a row's result does not depend on the other rows (batch invariance). Built by lab/intmm.py
@@ -143,9 +148,9 @@ static int release(struct activations *a) {
 struct product {
   int64_t M, K, N;
   struct activations a;
-  const void *weights;          /* w4a8: packed codes [N, K / 2]; w8a8: values [N, K] */
+  const void *weights;          /* w4a8: packed codes [N / 16, K / 64, 8, 64]; w8a8: values [N, K] */
   const float *scales;          /* w8a8: [N] */
-  const uint16_t *scales_zeros; /* w4a8: bf16 [N, K / 64, 2] */
+  const uint16_t *scales_zeros; /* w4a8: bf16 [N / 16, K / 64, 2, 16] */
   const void *bias;
   void *y;
   int bf16;
@@ -171,50 +176,76 @@ static inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-/* Outputs n of input rows m0 .. m0 + ROWS - 1 (w4a8_rows, w8a8_rows); ROWS a constant in each call,
- * so that the accumulators stay in registers (an array indexed at run time would live on the stack). */
+/* Outputs n of input rows m0 .. m0 + ROWS - 1 (w8a8_rows); ROWS a constant in each call, so that the
+ * accumulators stay in registers (an array indexed at run time would live on the stack). */
 typedef void rows_kernel(const int ROWS, int64_t m0, int64_t n, const struct product *p);
 
-static inline __attribute__((always_inline)) void w4a8_rows(const int ROWS, int64_t m0, int64_t n,
+/* x[i .. i + 7] as float lanes, x float32 or (BF16) bf16. */
+static inline __attribute__((always_inline)) __m256 widen_lanes(const int BF16, const void *x, int64_t i) {
+  if (!BF16) return _mm256_loadu_ps((const float *)x + i);
+  const __m128i halves = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16)); /* bf16: float's top half */
+}
+
+/* Row m's 4 activation codes of inputs at..at + 3, as one int32 to broadcast. */
+static inline int32_t four_codes(const int8_t *q) {
+  int32_t four;
+  memcpy(&four, q, sizeof four);
+  return four;
+}
+
+/* Outputs 16 cb + 8 half .. + 7 (one half of block cb) of input rows m0 .. m0 + ROWS - 1; ROWS a
+ * constant in each call, so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void w4a8_cols(const int ROWS, int64_t m0, int64_t cb, int half,
                                                             const struct product *p) {
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t G = p->K / GROUP;
-  const uint8_t *row = (const uint8_t *)p->weights + n * G * (GROUP / 2);
-  const uint16_t *scales_zeros = p->scales_zeros + n * G * 2;
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const uint8_t *block = (const uint8_t *)p->weights + cb * G * 512 + half * 32;
+  const uint16_t *scales_zeros = p->scales_zeros + cb * G * 32 + half * 8;
+  __m256 acc[4];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + g * (GROUP / 2)));
-    if (m0 == 0) _mm_prefetch((const char *)(row + g * (GROUP / 2) + PREFETCH_BYTES), _MM_HINT_T0);
-    const float scale = bf16_to_float(scales_zeros[2 * g]);
-    const __m256i first = _mm256_and_si256(bytes, low_nibbles);                         /* inputs 0..31 */
-    const __m256i second = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);  /* 32..63 */
+    __m256i dot[4]; /* [8] int32: each output's sum of code * q over the group */
+    for (int r = 0; r < ROWS; ++r) dot[r] = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      const uint8_t *run = block + g * 512 + i * 64;
+      if (m0 == 0) _mm_prefetch((const char *)(run + PREFETCH_BYTES), _MM_HINT_T0);
+      const __m256i bytes = _mm256_loadu_si256((const __m256i *)run);
+      const __m256i first = _mm256_and_si256(bytes, low_nibbles);                         /* inputs 8i.. */
+      const __m256i second = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);  /* 8i + 4.. */
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t *q = p->a.q + ((m0 + r) * G + g) * GROUP + 8 * i;
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(first, _mm256_set1_epi32(four_codes(q))),
+                                               _mm256_maddubs_epi16(second, _mm256_set1_epi32(four_codes(q + 4))));
+        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+    const __m256 scales = widen_lanes(1, scales_zeros, g * 32), zeros = widen_lanes(1, scales_zeros, g * 32 + 16);
     for (int r = 0; r < ROWS; ++r) {
       const int64_t at = (m0 + r) * G + g;
-      const int8_t *qa = p->a.q + at * GROUP;
-      const __m256i q0 = _mm256_loadu_si256((const __m256i *)qa);
-      const __m256i q1 = _mm256_loadu_si256((const __m256i *)(qa + 32));
-      const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(first, q0), _mm256_maddubs_epi16(second, q1));
-      const __m256i dot = _mm256_madd_epi16(pairs, ones); /* [8] int32 */
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale * p->a.scale[at]), _mm256_cvtepi32_ps(dot), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scales, _mm256_set1_ps(p->a.scale[at])), _mm256_cvtepi32_ps(dot[r]), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(scales, _mm256_set1_ps(p->a.offset[at]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(zeros, _mm256_set1_ps(p->a.sum[at]), acc[r]);
     }
   }
-  /* the zeros' and the codes' offset's share, out of the loop above, 8 groups at a time into the
-   * same lanes: sum over g of zero * sum a  -  scale * 8 * a_scale * sum q (the activations' offset
-   * holds the second factor) */
-  for (int64_t g = 0; g < G; g += 8) {
-    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(G - g)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    /* 8 (scale, zero) pairs as int32 lanes: the scale in the low half, the zero in the high */
-    const __m256i pairs = _mm256_maskload_epi32((const int *)(scales_zeros + 2 * g), lanes);
-    const __m256 scales = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-    const __m256 zeros = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000)));
-    for (int r = 0; r < ROWS; ++r) {
-      const int64_t at = (m0 + r) * G + g;
-      acc[r] = _mm256_fmadd_ps(zeros, _mm256_maskload_ps(p->a.sum + at, lanes), acc[r]);
-      acc[r] = _mm256_fnmadd_ps(scales, _mm256_maskload_ps(p->a.offset + at, lanes), acc[r]);
+  for (int r = 0; r < ROWS; ++r) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[r]);
+    for (int c = 0; c < 8 && 16 * cb + 8 * half + c < p->N; ++c) store(p, m0 + r, 16 * cb + 8 * half + c, out[c]);
+  }
+}
+
+/* Block cb's outputs of every input row, 4 rows at a time: they share each load of the weights. */
+static inline void w4a8_block_avx2(int64_t cb, const struct product *p) {
+  for (int half = 0; half < 2; ++half) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= p->M; m0 += 4) w4a8_cols(4, m0, cb, half, p);
+    switch (p->M - m0) {
+      case 3: w4a8_cols(3, m0, cb, half, p); break;
+      case 2: w4a8_cols(2, m0, cb, half, p); break;
+      case 1: w4a8_cols(1, m0, cb, half, p); break;
     }
   }
-  for (int r = 0; r < ROWS; ++r) store(p, m0 + r, n, sum_lanes(acc[r]));
 }
 
 static inline __attribute__((always_inline)) void w8a8_rows(const int ROWS, int64_t m0, int64_t n,
@@ -255,6 +286,11 @@ static inline __attribute__((always_inline)) void each_row(rows_kernel *rows, in
 /* AVX-512 with VNNI: the same products on 512-bit registers, in tiles of ROWS x COLS (at most 4 x 4). */
 #define TILE_INLINE static inline AVX512 __attribute__((always_inline))
 
+/* widen_lanes of 16 bf16 values. */
+TILE_INLINE __m512 widen_bf16x16(const uint16_t *h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
+}
+
 /* As quantize_rows, 16 inputs at a time; the codes are the same, the sums' rounding may differ. */
 static AVX512 void quantize_rows_avx512(const void *x, int bf16, int64_t M, int64_t K, const struct activations *a) {
   const int64_t G = K / GROUP;
@@ -262,12 +298,7 @@ static AVX512 void quantize_rows_avx512(const void *x, int bf16, int64_t M, int6
     __m512 v[4];
     for (int j = 0; j < 4; ++j) {
       const int64_t at = i * GROUP + 16 * j;
-      if (bf16) {
-        const __m256i halves = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at));
-        v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-      } else {
-        v[j] = _mm512_loadu_ps((const float *)x + at);
-      }
+      v[j] = bf16 ? widen_bf16x16((const uint16_t *)x + at) : _mm512_loadu_ps((const float *)x + at);
     }
     const __m512 magnitude = _mm512_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])),
                                            _mm512_max_ps(_mm512_abs_ps(v[2]), _mm512_abs_ps(v[3])));
@@ -287,51 +318,42 @@ static AVX512 void quantize_rows_avx512(const void *x, int bf16, int64_t M, int6
   }
 }
 
-TILE_INLINE void w4a8_tile(const int ROWS, const int COLS, int64_t m0, int64_t n0, const struct product *p) {
-  const int64_t G = p->K / GROUP;
+/* w4a8_cols on 512-bit registers: block cb's 16 outputs of input rows m0 .. m0 + ROWS - 1. */
+TILE_INLINE void w4a8_block_rows(const int ROWS, int64_t m0, int64_t cb, const struct product *p) {
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  const __m512i high_half = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0); /* bits to shift each 64-bit lane */
-  const uint8_t *packed = (const uint8_t *)p->weights;
-  __m512 acc[4][4];
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t G = p->K / GROUP;
+  const uint8_t *block = (const uint8_t *)p->weights + cb * G * 512;
+  const uint16_t *scales_zeros = p->scales_zeros + cb * G * 32;
+  __m512 acc[4];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i codes[4]; /* inputs 0..31 from the low nibbles, 32..63 from the high ones */
-    __m512 scales[4];
-    for (int c = 0; c < COLS; ++c) {
-      const __m256i bytes = _mm256_loadu_si256((const __m256i *)(packed + ((n0 + c) * G + g) * (GROUP / 2)));
-      _mm_prefetch((const char *)(packed + ((n0 + c) * G + g) * (GROUP / 2) + PREFETCH_BYTES), _MM_HINT_T0);
-      codes[c] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(bytes), high_half), low_nibbles);
-      scales[c] = _mm512_set1_ps(bf16_to_float(p->scales_zeros[((n0 + c) * G + g) * 2]));
+    __m512i dot[4]; /* [16] int32: each output's sum of code * q over the group */
+    for (int r = 0; r < ROWS; ++r) dot[r] = _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) {
+      const uint8_t *run = block + g * 512 + i * 64;
+      if (m0 == 0) _mm_prefetch((const char *)(run + PREFETCH_BYTES), _MM_HINT_T0);
+      const __m512i bytes = _mm512_loadu_si512(run);
+      const __m512i first = _mm512_and_si512(bytes, low_nibbles);                         /* inputs 8i.. */
+      const __m512i second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);  /* 8i + 4.. */
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t *q = p->a.q + ((m0 + r) * G + g) * GROUP + 8 * i;
+        dot[r] = _mm512_dpbusd_epi32(dot[r], first, _mm512_set1_epi32(four_codes(q)));
+        dot[r] = _mm512_dpbusd_epi32(dot[r], second, _mm512_set1_epi32(four_codes(q + 4)));
+      }
     }
+    const __m512 scales = widen_bf16x16(scales_zeros + g * 32), zeros = widen_bf16x16(scales_zeros + g * 32 + 16);
     for (int r = 0; r < ROWS; ++r) {
       const int64_t at = (m0 + r) * G + g;
-      const __m512i q = _mm512_loadu_si512(p->a.q + at * GROUP);
-      const __m512 a_scale = _mm512_set1_ps(p->a.scale[at]);
-      for (int c = 0; c < COLS; ++c) {
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[c], q); /* [16] int32 */
-        acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(scales[c], a_scale), _mm512_cvtepi32_ps(dot), acc[r][c]);
-      }
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scales, _mm512_set1_ps(p->a.scale[at])), _mm512_cvtepi32_ps(dot[r]), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(scales, _mm512_set1_ps(p->a.offset[at]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(zeros, _mm512_set1_ps(p->a.sum[at]), acc[r]);
     }
   }
-  /* the zeros' and the codes' offset's share, 16 groups at a time, into the same lanes */
-  for (int64_t g = 0; g < G; g += 16) {
-    const __mmask16 lanes = G - g >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 sums = _mm512_maskz_loadu_ps(lanes, p->a.sum + (m0 + r) * G + g);
-      const __m512 offsets = _mm512_maskz_loadu_ps(lanes, p->a.offset + (m0 + r) * G + g);
-      for (int c = 0; c < COLS; ++c) {
-        /* 16 (scale, zero) pairs as int32 lanes: the scale in the low half, the zero in the high */
-        const __m512i pairs = _mm512_maskz_loadu_epi32(lanes, p->scales_zeros + ((n0 + c) * G + g) * 2);
-        const __m512 scales = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-        const __m512 zeros = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000)));
-        acc[r][c] = _mm512_fmadd_ps(zeros, sums, acc[r][c]);
-        acc[r][c] = _mm512_fnmadd_ps(scales, offsets, acc[r][c]);
-      }
-    }
+  for (int r = 0; r < ROWS; ++r) {
+    float out[16];
+    _mm512_storeu_ps(out, acc[r]);
+    for (int c = 0; c < 16 && 16 * cb + c < p->N; ++c) store(p, m0 + r, 16 * cb + c, out[c]);
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) store(p, m0 + r, n0 + c, _mm512_reduce_add_ps(acc[r][c]));
 }
 
 TILE_INLINE void w8a8_tile(const int ROWS, const int COLS, int64_t m0, int64_t n0, const struct product *p) {
@@ -386,7 +408,15 @@ TILE_INLINE void w8a8_tile(const int ROWS, const int COLS, int64_t m0, int64_t n
 
 static AVX512 void w4a8_avx512(const struct product *p) {
 #pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < p->N; n0 += 4) EACH_TILE(w4a8_tile, n0, p);
+  for (int64_t cb = 0; cb < (p->N + 15) / 16; ++cb) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= p->M; m0 += 4) w4a8_block_rows(4, m0, cb, p);
+    switch (p->M - m0) {
+      case 3: w4a8_block_rows(3, m0, cb, p); break;
+      case 2: w4a8_block_rows(2, m0, cb, p); break;
+      case 1: w4a8_block_rows(1, m0, cb, p); break;
+    }
+  }
 }
 
 static AVX512 void w8a8_avx512(const struct product *p) {
@@ -607,8 +637,8 @@ int bf16_mm(const void *x, int64_t M, int64_t K, int bf16, const uint16_t *weigh
  * GCC outlines an OpenMP region before it inlines, so a loop shared through a function would call
  * the rows' kernel through a pointer, with ROWS no longer a constant. */
 
-/* y [M, N] = x [M, K] times the packed 4-bit weights [N, K / 2] + bias. Returns 0, or -1 when the
- * activations' scratch could not be allocated. */
+/* y [M, N] = x [M, K] times the packed 4-bit weights [N / 16, K / 64, 8, 64] + bias. Returns 0, or -1
+ * when the activations' scratch could not be allocated. */
 int w4a8_mm(const void *x, int64_t M, int64_t K, int bf16, const uint8_t *packed, const uint16_t *scales_zeros,
             int64_t N, const void *bias, void *y) {
   struct product p = {M, K, N, {0}, packed, NULL, scales_zeros, bias, y, bf16};
@@ -619,7 +649,7 @@ int w4a8_mm(const void *x, int64_t M, int64_t K, int bf16, const uint8_t *packed
     return release(&p.a);
   }
 #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) each_row(w4a8_rows, n, &p);
+  for (int64_t cb = 0; cb < (N + 15) / 16; ++cb) w4a8_block_avx2(cb, &p);
   return release(&p.a);
 }
 
@@ -650,11 +680,6 @@ int w8a8_mm(const void *x, int64_t M, int64_t K, int bf16, const int8_t *values,
  * result does not depend on the others (batch invariance). torch's scaled_dot_product_attention
  * costs tens of microseconds a call at these sizes (and more in bf16), one call per row and block:
  * most of it fixed cost, a share of the step that the products left behind. */
-static inline __attribute__((always_inline)) __m256 widen_lanes(const int BF16, const void *x, int64_t i) {
-  if (!BF16) return _mm256_loadu_ps((const float *)x + i);
-  const __m128i halves = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16)); /* bf16: float's top half */
-}
 
 /* scores[s] = q . k_s for s in 0..COUNT-1 (COUNT <= 4 keys of Dh, one after another): one chain of
  * multiply-adds per key, so the four proceed at once instead of waiting on each other. */
