@@ -200,9 +200,10 @@ def integer_product(kind: str, weight: torch.Tensor):
 @pytest.mark.parametrize("kind", INTEGER)
 @pytest.mark.parametrize(("n", "k"), [(37, 64), (37, 768), (6, 1088)])
 def test_integer_kernel_is_its_definition_and_rows_are_alone(kind, n, k, instruction_set):
-    """The C kernel computes what its header says (against float64), with outputs of any count (w8a8's
-    tiles of 4 and what is left; w4a8's blocks of 16, the last one padded) and groups of any count (1088: 17, one past a vector of 16), and each row's
-    result is bit for bit the same alone or among 1 to 8 others (batch invariance)."""
+    """The C kernel computes what its header says (against float64), with outputs of any count
+    (w8a8's tiles of 4 and what is left; w4a8's blocks of 16, the last one padded) and groups of any
+    count (1088: 17, one past a vector of 16), and each row's result is bit for bit the same alone or
+    among 1 to 8 others (batch invariance)."""
     torch.manual_seed(0)
     product, reference = integer_product(kind, torch.randn(n, k) * 0.05)
     x = torch.randn(9, k)
