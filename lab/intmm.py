@@ -95,8 +95,9 @@ class _Kernel:
             x = x.contiguous()
         m, k = x.shape
         rows, width = weights[0].shape
-        pairs = zip(weights, self.dtypes, strict=True)
-        wrong = any(w.dtype is not d or not w.is_contiguous() for w, d in pairs)
+        wrong = len(weights) != len(self.dtypes)
+        for weight, wanted in zip(weights, self.dtypes, strict=False):  # a loop, not any(): 49 calls a step
+            wrong = wrong or weight.dtype is not wanted or not weight.is_contiguous()
         unpadded = rows != -(-n // self.n_multiple) * self.n_multiple
         if k % self.k_multiple or width * self.codes_per_byte != k or wrong or unpadded:  # C reads them so
             named = ", ".join(f"{name} {kind}" for name, kind in zip(self.weights, self.dtypes, strict=True))
@@ -108,13 +109,19 @@ class _Kernel:
         if bias is not None and bias.dtype is not dtype:
             bias = bias.to(dtype)
         y = torch.empty(m, n, dtype=dtype)
-        status = getattr(_library(), self.name)(
+        status = _function(self.name)(
             x.data_ptr(), m, k, dtype is torch.bfloat16, *[w.data_ptr() for w in weights], n,
             None if bias is None else bias.data_ptr(), y.data_ptr(),
         )  # fmt: skip
         if status != 0:
             raise MemoryError(f"{self.name}: no memory for the activations of {m} x {k}")
         return y
+
+
+@functools.cache
+def _function(name: str) -> ctypes._CFuncPtr:
+    """lab/kernels/intmm.c's function ``name`` (a ctypes attribute lookup costs a microsecond a call)."""
+    return getattr(_library(), name)
 
 
 def _y_dtype(x: torch.Tensor) -> torch.dtype:
