@@ -336,7 +336,8 @@ class ScoreCommand:
     blocks: str = "all"
     """Block set spec, e.g. skip=3,4 | exit=6 | adaptive=0.9;min=4 (lab.blocks)."""
     dtype: WeightDtype = "float32"
-    """Weights: float32 | bfloat16 | float16, or int8 | int4 weight-only quantized (lab.quantize)."""
+    """Weights: float32 | bfloat16 | float16; int8 | int4 weight-only quantized; or w4a8 | w8a8, int4 or
+    int8 weights times int8 activations (lab.quantize; CPU only)."""
     threads: int | None = None
     """torch CPU threads, fixed (default: one per core other processes leave free, chosen again every
     few seconds; lab.threads)."""

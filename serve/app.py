@@ -70,7 +70,9 @@ class ServeConfig:
     """Require this key (X-API-Key or Authorization: Bearer) on every route but /health and the docs
     (default: $LIT_SERVER_API_KEY)."""
     dtype: WeightDtype = "float32"
-    """float32 | bfloat16 | float16 weights, or int8 | int4 weight-only quantized (CPU, lab.quantize)."""
+    """float32 | bfloat16 | float16 weights; int8 | int4 weight-only quantized; or w4a8 | w8a8, int4 or
+    int8 weights times int8 activations (lab.quantize; the quantized kinds run on the CPU, where w4a8
+    serves fastest: docs/inference.md)."""
     accelerator: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     """Where the workers run (LitServe's choice of device for auto)."""
     workers: int = 1
