@@ -176,8 +176,9 @@ static inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-/* Outputs n of input rows m0 .. m0 + ROWS - 1 (w8a8_rows); ROWS a constant in each call, so that the
- * accumulators stay in registers (an array indexed at run time would live on the stack). */
+/* Outputs n of input rows m0 .. m0 + ROWS - 1 (w4a8_cols: its n-th run of 8 outputs; w8a8_rows);
+ * ROWS a constant in each call, so that the accumulators stay in registers (an array indexed at run
+ * time would live on the stack). */
 typedef void rows_kernel(const int ROWS, int64_t m0, int64_t n, const struct product *p);
 
 /* x[i .. i + 7] as float lanes, x float32 or (BF16) bf16. */
@@ -194,10 +195,10 @@ static inline int32_t four_codes(const int8_t *q) {
   return four;
 }
 
-/* Outputs 16 cb + 8 half .. + 7 (one half of block cb) of input rows m0 .. m0 + ROWS - 1; ROWS a
- * constant in each call, so that the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void w4a8_cols(const int ROWS, int64_t m0, int64_t cb, int half,
+/* Outputs 8 n .. 8 n + 7 (half n % 2 of block n / 2) of input rows m0 .. m0 + ROWS - 1. */
+static inline __attribute__((always_inline)) void w4a8_cols(const int ROWS, int64_t m0, int64_t n,
                                                             const struct product *p) {
+  const int64_t cb = n / 2, half = n % 2;
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t G = p->K / GROUP;
   const uint8_t *block = (const uint8_t *)p->weights + cb * G * 512 + half * 32;
@@ -231,20 +232,7 @@ static inline __attribute__((always_inline)) void w4a8_cols(const int ROWS, int6
   for (int r = 0; r < ROWS; ++r) {
     float out[8];
     _mm256_storeu_ps(out, acc[r]);
-    for (int c = 0; c < 8 && 16 * cb + 8 * half + c < p->N; ++c) store(p, m0 + r, 16 * cb + 8 * half + c, out[c]);
-  }
-}
-
-/* Block cb's outputs of every input row, 4 rows at a time: they share each load of the weights. */
-static inline void w4a8_block_avx2(int64_t cb, const struct product *p) {
-  for (int half = 0; half < 2; ++half) {
-    int64_t m0 = 0;
-    for (; m0 + 4 <= p->M; m0 += 4) w4a8_cols(4, m0, cb, half, p);
-    switch (p->M - m0) {
-      case 3: w4a8_cols(3, m0, cb, half, p); break;
-      case 2: w4a8_cols(2, m0, cb, half, p); break;
-      case 1: w4a8_cols(1, m0, cb, half, p); break;
-    }
+    for (int c = 0; c < 8 && 8 * n + c < p->N; ++c) store(p, m0 + r, 8 * n + c, out[c]);
   }
 }
 
@@ -318,8 +306,11 @@ static AVX512 void quantize_rows_avx512(const void *x, int bf16, int64_t M, int6
   }
 }
 
-/* w4a8_cols on 512-bit registers: block cb's 16 outputs of input rows m0 .. m0 + ROWS - 1. */
-TILE_INLINE void w4a8_block_rows(const int ROWS, int64_t m0, int64_t cb, const struct product *p) {
+/* w4a8_cols on 512-bit registers: outputs n0 .. n0 + COLS - 1, COLS 16 (the layout's block n0 / 16),
+ * of input rows m0 .. m0 + ROWS - 1. */
+TILE_INLINE void w4a8_block_rows(const int ROWS, const int COLS, int64_t m0, int64_t n0,
+                                  const struct product *p) {
+  const int64_t cb = n0 / COLS;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const int64_t G = p->K / GROUP;
   const uint8_t *block = (const uint8_t *)p->weights + cb * G * 512;
@@ -352,7 +343,7 @@ TILE_INLINE void w4a8_block_rows(const int ROWS, int64_t m0, int64_t cb, const s
   for (int r = 0; r < ROWS; ++r) {
     float out[16];
     _mm512_storeu_ps(out, acc[r]);
-    for (int c = 0; c < 16 && 16 * cb + c < p->N; ++c) store(p, m0 + r, 16 * cb + c, out[c]);
+    for (int c = 0; c < COLS && n0 + c < p->N; ++c) store(p, m0 + r, n0 + c, out[c]);
   }
 }
 
@@ -408,15 +399,7 @@ TILE_INLINE void w8a8_tile(const int ROWS, const int COLS, int64_t m0, int64_t n
 
 static AVX512 void w4a8_avx512(const struct product *p) {
 #pragma omp parallel for schedule(static)
-  for (int64_t cb = 0; cb < (p->N + 15) / 16; ++cb) {
-    int64_t m0 = 0;
-    for (; m0 + 4 <= p->M; m0 += 4) w4a8_block_rows(4, m0, cb, p);
-    switch (p->M - m0) {
-      case 3: w4a8_block_rows(3, m0, cb, p); break;
-      case 2: w4a8_block_rows(2, m0, cb, p); break;
-      case 1: w4a8_block_rows(1, m0, cb, p); break;
-    }
-  }
+  for (int64_t n0 = 0; n0 < p->N; n0 += 16) EACH_ROW(w4a8_block_rows, 16, n0, p);
 }
 
 static AVX512 void w8a8_avx512(const struct product *p) {
@@ -649,7 +632,7 @@ int w4a8_mm(const void *x, int64_t M, int64_t K, int bf16, const uint8_t *packed
     return release(&p.a);
   }
 #pragma omp parallel for schedule(static)
-  for (int64_t cb = 0; cb < (N + 15) / 16; ++cb) w4a8_block_avx2(cb, &p);
+  for (int64_t n = 0; n < (N + 15) / 16 * 2; ++n) each_row(w4a8_cols, n, &p); /* runs of 8 outputs */
   return release(&p.a);
 }
 
