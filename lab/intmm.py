@@ -254,20 +254,22 @@ def attend_rows(
     if dtype is not torch.float32 and dtype is not torch.bfloat16 or not qkv.is_contiguous():
         raise ValueError(f"attend_rows: qkv dense float32 or bf16 [B, 3D], got {dtype} {list(qkv.shape)}")
     lengths = []
-    for cache, position in zip([*k_caches, *v_caches], positions * 2, strict=True):
-        t_max = cache.size(-2)
-        if cache.dtype is not dtype or not cache.is_contiguous() or cache.shape[-3:] != (n_head, t_max, Dh):
-            expected = f"dense {dtype} [1, {n_head}, T_max, {Dh}]"
-            raise ValueError(f"attend_rows: caches {expected}, got {cache.dtype} {list(cache.shape)}")
+    for k_cache, v_cache, position in zip(k_caches, v_caches, positions, strict=True):
+        t_max = k_cache.size(-2)
+        shape = (n_head, t_max, Dh)
+        for cache in (k_cache, v_cache):  # C reads a row's values with its keys' T_max
+            if cache.dtype is not dtype or not cache.is_contiguous() or cache.shape[-3:] != shape:
+                expected = f"dense {dtype} [1, {n_head}, {t_max}, {Dh}]"
+                raise ValueError(f"attend_rows: caches {expected}, got {cache.dtype} {list(cache.shape)}")
         if not 0 <= position < t_max:
             raise ValueError(f"attend_rows: position {position} outside a cache of {t_max}")
         lengths.append(t_max)
     pointers, integers = ctypes.c_void_p * B, ctypes.c_int64 * B
     keys, values = pointers(*[k.data_ptr() for k in k_caches]), pointers(*[v.data_ptr() for v in v_caches])
     y = torch.empty(B, D, dtype=dtype)
-    status = _library().attend_rows(
+    status = _function("attend_rows")(
         B, n_head, Dh, dtype is torch.bfloat16, qkv.data_ptr(), keys, values,
-        integers(*lengths[:B]), integers(*positions), y.data_ptr(),
+        integers(*lengths), integers(*positions), y.data_ptr(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError(f"attend_rows: no memory for the scores of {B} rows")
@@ -279,4 +281,4 @@ def argmax(x: torch.Tensor) -> int:
     equals; the first NaN's where there is one: what ``int(x.argmax())`` answers."""
     if x.dim() != 1 or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
         raise ValueError(f"argmax: x dense float32 or bf16 [n], got {x.dtype} {list(x.shape)}")
-    return _library().argmax(x.data_ptr(), x.numel(), x.dtype is torch.bfloat16)
+    return _function("argmax")(x.data_ptr(), x.numel(), x.dtype is torch.bfloat16)

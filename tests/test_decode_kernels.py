@@ -36,7 +36,8 @@ def reference(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
 def test_attend_rows_is_its_definition_writes_the_caches_and_rows_are_alone(dtype):
     """Each row attends over its own cache (their lengths differ) up to its own position, as the
     float64 definition does, after writing its key and value there; a row's result is the same alone
-    as among others; a position outside its cache and caches of another dtype are refused."""
+    as among others; a position outside its cache, caches of another dtype and values whose length
+    is not their keys' are refused."""
     lengths, positions = [5, 9, 9, 16], [0, 8, 3, 11]
     generator = torch.Generator().manual_seed(0)
     qkv = torch.randn(4, 3 * H * DH, generator=generator).to(dtype)
@@ -64,6 +65,8 @@ def test_attend_rows_is_its_definition_writes_the_caches_and_rows_are_alone(dtyp
         intmm.attend_rows(qkv[:1], k_caches[:1], v_caches[:1], [5], H)
     with pytest.raises(ValueError, match="caches dense"):
         intmm.attend_rows(qkv[:1], [k_caches[0].double()], v_caches[:1], [0], H)
+    with pytest.raises(ValueError, match="caches dense"):  # values read with the keys' length
+        intmm.attend_rows(qkv[:1], k_caches[:1], v_caches[1:2], [0], H)
 
 
 def tiny(dtype: torch.dtype = torch.float32):
