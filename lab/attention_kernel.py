@@ -4,16 +4,17 @@
     use_attention_kernel(model)                            # in place, on any model on the CPU
 
 A decode step's attention is one query per row over that row's cache: a few hundred thousand
-multiply-adds a block, less than torch's ``scaled_dot_product_attention`` costs to call (tens of
-microseconds, more in bf16), and the eager step called it once per row and block, after slicing each
-row's query, key and value out and writing them into the cache one at a time. ``KernelAttention``
-is a ``lab.model.CausalSelfAttention`` (the same parameters and hook points) whose rows of one token
-over their own caches (``CausalSelfAttention.attend_rows``, what ``lab.decode.decode_rows`` runs) go
-to ``lab.intmm.attend_rows`` instead: one call writes every row's key and value and attends, each
-(row, head) summed in a fixed order, so each row's result is the one it gets alone (batch
-invariance). Everything else keeps torch's attention: prompts (several tokens), the compiled step
-(``lab.fast``), gradients, ``attention="eager"`` models, other devices and dtypes, and any step
-while the ``scores`` or ``pattern`` hook points are hooked (they are the explicit path's tensors).
+multiply-adds a block, less than torch's ``scaled_dot_product_attention`` costs to call (more in
+bf16; docs/inference.md has the figures), and the eager step called it once per row and block,
+after slicing each row's query, key and value out and writing them into the cache one at a time.
+``KernelAttention`` is a ``lab.model.CausalSelfAttention`` (the same parameters and hook points)
+whose rows of one token over their own caches (``CausalSelfAttention.attend_rows``, what
+``lab.decode.decode_rows`` runs) go to ``lab.intmm.attend_rows`` instead: one call writes every
+row's key and value and attends, each (row, head) summed in a fixed order, so each row's result is
+the one it gets alone (batch invariance). Everything else keeps torch's attention: prompts
+(several tokens), the compiled step (``lab.fast``), gradients, ``attention="eager"`` models, other
+devices and dtypes, and any step while the ``scores`` or ``pattern`` hook points are hooked (they
+are the explicit path's tensors).
 """
 
 from __future__ import annotations

@@ -120,7 +120,8 @@ class _Kernel:
 
 @functools.cache
 def _function(name: str) -> ctypes._CFuncPtr:
-    """lab/kernels/intmm.c's function ``name`` (a ctypes attribute lookup costs a microsecond a call)."""
+    """lab/kernels/intmm.c's function ``name``, looked up once: a ctypes attribute lookup at every call
+    is a share of a small product's cost."""
     return getattr(_library(), name)
 
 

@@ -67,8 +67,8 @@ class HookPoint(nn.Identity):
         return bool(self._forward_hooks)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # A decode step passes a hundred hook points; nn.Module's call path costs microseconds each,
-        # a visible share of a small model's step, for hooks that are rarely there.
+        # A decode step passes a hundred hook points; nn.Module's call path through each is a visible
+        # share of a small model's step, for hooks that are rarely there.
         hooked = self._forward_hooks or self._forward_pre_hooks
         if hooked or _global_forward_hooks or _global_forward_pre_hooks:
             return super().__call__(x)

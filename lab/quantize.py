@@ -133,8 +133,8 @@ class QuantizedLinear(nn.Module):
         x2d = x.reshape(-1, d_in)
         if x2d.dtype != torch.bfloat16:
             x2d = x2d.to(torch.bfloat16)
-        # the buffers read from their dict: nn.Module's attribute lookup costs a microsecond each, and a
-        # decode step makes 49 of these calls
+        # the buffers read from their dict: nn.Module's attribute lookup is a share of a call's Python,
+        # and a decode step makes 49 of these calls
         buffers = self._buffers
         bias = buffers["bias"]
         if self.kind == "w4a8":  # lab.intmm reads bf16 as it is and adds the bias before rounding y

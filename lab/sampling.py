@@ -93,7 +93,7 @@ def _argmax_builds() -> bool:
 
 def greedy_token(logits: torch.Tensor) -> int:
     """The most likely token of logits [V] (the first of equals): ``lab.intmm.argmax`` where it takes
-    them (float32 or bf16 on a CPU where it builds; torch's argmax spends tens of microseconds over
+    them (float32 or bf16 on a CPU where it builds; torch's argmax is several times slower over
     GPT-2's vocabulary, a share of a decode step), else torch's."""
     kernel = logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
     if kernel and logits.dim() == 1 and logits.is_contiguous() and _argmax_builds():

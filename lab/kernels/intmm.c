@@ -661,8 +661,8 @@ int w8a8_mm(const void *x, int64_t M, int64_t K, int bf16, const int8_t *values,
  * the softmax in float32; bf16 caches are read and written as they are and y is rounded once.
  * One (row, head) per task, each summed in the same order whatever rows share the call, so a row's
  * result does not depend on the others (batch invariance). torch's scaled_dot_product_attention
- * costs tens of microseconds a call at these sizes (and more in bf16), one call per row and block:
- * most of it fixed cost, a share of the step that the products left behind. */
+ * costs more to call than the work at these sizes (more in bf16; docs/inference.md), once per row
+ * and block: most of it fixed cost, a share of the step that the products left behind. */
 
 /* scores[s] = q . k_s for s in 0..COUNT-1 (COUNT <= 4 keys of Dh, one after another): one chain of
  * multiply-adds per key, so the four proceed at once instead of waiting on each other. */
@@ -789,7 +789,7 @@ int attend_rows(int64_t B, int64_t H, int64_t Dh, int bf16, const void *qkv, voi
 
 /* The index of x's largest value [n] (float32, or bf16), the first of equals; where x holds a NaN,
  * the first NaN's, as torch's argmax answers. Greedy decoding's pick over the vocabulary, which
- * torch's argmax took ten times longer to find (a bf16 one, thirty). */
+ * torch's argmax took several times longer to find, a bf16 one more (docs/inference.md). */
 int64_t argmax(const void *x, int64_t n, int bf16) {
   __m256 top = _mm256_set1_ps(-INFINITY), nan_lanes = _mm256_setzero_ps();
   int64_t i = 0;
