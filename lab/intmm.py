@@ -5,6 +5,7 @@
     y = intmm.w4a8_matmul(x, packed, scales_zeros, bias, n)             # x [M, K] -> y [M, N]
     y = intmm.w8a8_matmul(x, values, scales, bias)                     # lab.quantize's int8 rows
     y = intmm.attend_rows(qkv, k_caches, v_caches, positions, n_head)  # decode attention, every row
+    out = intmm.block_rows(BlockWeights(...), x, k_caches, v_caches, positions)  # a whole block's step
     index = intmm.argmax(logits)                                       # greedy decoding's pick, an int
     intmm.unavailable()                                                # None, or why not here
     intmm.instruction_set()                                            # "avx2" or "avx512-vnni"
@@ -29,7 +30,8 @@ policy (``lab.threads``). Inside ``torch.compile`` each product is a custom op,
 ``blocklab::w4a8_mm`` and ``blocklab::w8a8_mm``.
 
 The same file holds the float32 and bf16 products (``lab.float_kernels``), a decode step's
-attention (``attend_rows``, ``lab.attention_kernel``) and greedy decoding's ``argmax``: what a decode
+attention (``attend_rows``), a whole pre-LN block for a decode step's rows in one call (``block_rows``,
+both behind ``lab.block_kernel``) and greedy decoding's ``argmax``: what a decode
 step spent in torch's slower kernels, at sizes where a call into torch costs more than the work.
 """
 
@@ -94,18 +96,7 @@ class _Kernel:
         if not x.is_contiguous():
             x = x.contiguous()
         m, k = x.shape
-        rows, width = weights[0].shape
-        wrong = len(weights) != len(self.dtypes)
-        for weight, wanted in zip(weights, self.dtypes, strict=False):  # a loop, not any(): 49 calls a step
-            wrong = wrong or weight.dtype is not wanted or not weight.is_contiguous()
-        unpadded = rows != -(-n // self.n_multiple) * self.n_multiple
-        if k % self.k_multiple or width * self.codes_per_byte != k or wrong or unpadded:  # C reads them so
-            named = ", ".join(f"{name} {kind}" for name, kind in zip(self.weights, self.dtypes, strict=True))
-            rounded = "N" if self.n_multiple == 1 else f"N rounded up to {self.n_multiple}"
-            expected = f"{self.weights[0]} [{rounded}, K / {self.codes_per_byte}], dense: {named}"
-            got = f"{list(x.shape)}, N {n} and {', '.join(f'{list(w.shape)} {w.dtype}' for w in weights)}"
-            widths = f"K a multiple of {self.k_multiple}"
-            raise ValueError(f"{self.name}: x [M, K] with {widths} and {expected}, got {got}")
+        self.check(k, weights, n, f"{list(x.shape)}")
         if bias is not None and bias.dtype is not dtype:
             bias = bias.to(dtype)
         y = torch.empty(m, n, dtype=dtype)
@@ -116,6 +107,22 @@ class _Kernel:
         if status != 0:
             raise MemoryError(f"{self.name}: no memory for the activations of {m} x {k}")
         return y
+
+    def check(self, k: int, weights: tuple[torch.Tensor, ...], n: int, x: str) -> None:
+        """Raise unless ``weights`` are what the C function reads for inputs of width ``k`` and ``n``
+        outputs (``x``: the inputs' shape, for the message)."""
+        rows, width = weights[0].shape
+        wrong = len(weights) != len(self.dtypes)
+        for weight, wanted in zip(weights, self.dtypes, strict=False):  # a loop, not any(): 49 calls a step
+            wrong = wrong or weight.dtype is not wanted or not weight.is_contiguous()
+        unpadded = rows != -(-n // self.n_multiple) * self.n_multiple
+        if k % self.k_multiple or width * self.codes_per_byte != k or wrong or unpadded:  # C reads them so
+            named = ", ".join(f"{name} {kind}" for name, kind in zip(self.weights, self.dtypes, strict=True))
+            rounded = "N" if self.n_multiple == 1 else f"N rounded up to {self.n_multiple}"
+            expected = f"{self.weights[0]} [{rounded}, K / {self.codes_per_byte}], dense: {named}"
+            got = f"{x}, N {n} and {', '.join(f'{list(w.shape)} {w.dtype}' for w in weights)}"
+            widths = f"K a multiple of {self.k_multiple}"
+            raise ValueError(f"{self.name}: x [M, K] with {widths} and {expected}, got {got}")
 
 
 @functools.cache
@@ -180,6 +187,8 @@ def _library() -> ctypes.CDLL:
     library.argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]  # x, n, bf16
     library.attend_rows.restype = ctypes.c_int
     library.attend_rows.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 6
+    library.block_rows.restype = ctypes.c_int
+    library.block_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 7
     for kernel in (_W4A8, _W8A8, _BF16, _F32):
         function = getattr(library, kernel.name)
         function.restype = ctypes.c_int
@@ -250,31 +259,133 @@ def attend_rows(
     computed as if alone (batch-invariant)."""
     B, three_d = qkv.shape
     D = three_d // 3
-    Dh = D // n_head
     dtype = qkv.dtype
     if dtype is not torch.float32 and dtype is not torch.bfloat16 or not qkv.is_contiguous():
         raise ValueError(f"attend_rows: qkv dense float32 or bf16 [B, 3D], got {dtype} {list(qkv.shape)}")
-    lengths = []
-    for k_cache, v_cache, position in zip(k_caches, v_caches, positions, strict=True):
-        t_max = k_cache.size(-2)
-        shape = (n_head, t_max, Dh)
-        for cache in (k_cache, v_cache):  # C reads a row's values with its keys' T_max
-            if cache.dtype is not dtype or not cache.is_contiguous() or cache.shape[-3:] != shape:
-                expected = f"dense {dtype} [1, {n_head}, {t_max}, {Dh}]"
-                raise ValueError(f"attend_rows: caches {expected}, got {cache.dtype} {list(cache.shape)}")
-        if not 0 <= position < t_max:
-            raise ValueError(f"attend_rows: position {position} outside a cache of {t_max}")
-        lengths.append(t_max)
-    pointers, integers = ctypes.c_void_p * B, ctypes.c_int64 * B
-    keys, values = pointers(*[k.data_ptr() for k in k_caches]), pointers(*[v.data_ptr() for v in v_caches])
+    caches = _caches("attend_rows", k_caches, v_caches, positions, n_head, D // n_head, dtype)
     y = torch.empty(B, D, dtype=dtype)
     status = _function("attend_rows")(
-        B, n_head, Dh, dtype is torch.bfloat16, qkv.data_ptr(), keys, values,
-        integers(*lengths), integers(*positions), y.data_ptr(),
-    )  # fmt: skip
+        B, n_head, D // n_head, dtype is torch.bfloat16, qkv.data_ptr(), *caches, y.data_ptr()
+    )
     if status != 0:
         raise MemoryError(f"attend_rows: no memory for the scores of {B} rows")
     return y
+
+
+def _caches(
+    name: str, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], positions: list[int], n_head: int,
+    head_dim: int, dtype: torch.dtype,
+) -> tuple[ctypes.Array, ...]:  # fmt: skip
+    """The rows' caches as the C attention reads them: their keys' and values' pointers, lengths and
+    positions, once each checked to be dense [1, H, T_max, Dh] (or [H, T_max, Dh]) of ``dtype``."""
+    lengths = []
+    for k_cache, v_cache, position in zip(k_caches, v_caches, positions, strict=True):
+        t_max = k_cache.size(-2)
+        shape = (n_head, t_max, head_dim)
+        for cache in (k_cache, v_cache):  # C reads a row's values with its keys' T_max
+            if cache.dtype is not dtype or not cache.is_contiguous() or cache.shape[-3:] != shape:
+                expected = f"dense {dtype} [1, {n_head}, {t_max}, {head_dim}]"
+                raise ValueError(f"{name}: caches {expected}, got {cache.dtype} {list(cache.shape)}")
+        if not 0 <= position < t_max:
+            raise ValueError(f"{name}: position {position} outside a cache of {t_max}")
+        lengths.append(t_max)
+    B = len(positions)
+    pointers, integers = ctypes.c_void_p * B, ctypes.c_int64 * B
+    keys, values = pointers(*[k.data_ptr() for k in k_caches]), pointers(*[v.data_ptr() for v in v_caches])
+    return keys, values, integers(*lengths), integers(*positions)
+
+
+class _Linear(ctypes.Structure):
+    """lab/kernels/intmm.c's ``struct linear``: one product of a block."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int64), ("k", ctypes.c_int64), ("n", ctypes.c_int64),
+        ("weights", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+class _BlockWeights(ctypes.Structure):
+    """lab/kernels/intmm.c's ``struct block_weights``."""
+
+    _fields_ = [
+        *[(name, _Linear) for name in ("c_attn", "attn_proj", "c_fc", "mlp_proj")],
+        *[(name, ctypes.c_void_p) for name in ("ln_1_weight", "ln_1_bias", "ln_2_weight", "ln_2_bias")],
+        ("eps", ctypes.c_double), ("n_head", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+PRODUCTS = {"f32": _F32, "bf16": _BF16, "w4a8": _W4A8, "w8a8": _W8A8}
+"""The products a block in one call (``block_rows``) can hold, in lab/kernels/intmm.c's order."""
+
+Product = tuple[str, tuple[torch.Tensor, ...], torch.Tensor | None, int]
+"""A product of ``PRODUCTS`` as ``BlockWeights`` takes it: (kind, its weights as the kind's matmul
+takes them, the bias or None, N)."""
+
+
+class BlockWeights:
+    """A pre-LN (GPT-2) block's weights as ``block_rows`` reads them: c_attn, attn_proj, c_fc and
+    mlp_proj (each a ``Product``), the two LayerNorms' weights and biases (dense [D]), their eps, the
+    heads. It holds the tensors, so their memory lives as long as it does. ``dtype``: the activations'
+    (float32 or bf16), as every norm parameter and bias must be; an integer product takes bf16."""
+
+    def __init__(
+        self, products: list[Product], norms: list[tuple[torch.Tensor, torch.Tensor | None]], eps: float,
+        n_head: int, dtype: torch.dtype,
+    ):  # fmt: skip
+        if dtype not in (torch.float32, torch.bfloat16) or len(products) != 4 or len(norms) != 2:
+            raise ValueError(f"block_rows: 4 products, 2 norms and float32 or bf16 activations, got {dtype}")
+        d = norms[0][0].numel()
+        widths = (d, d, d, 4 * d)  # the products' inputs
+        linears, self.tensors = [], []
+        for (kind, weights, bias, n), k in zip(products, widths, strict=True):
+            PRODUCTS[kind].check(k, weights, n, f"[M, {k}]")
+            wanted = torch.bfloat16 if kind in ("w4a8", "w8a8") else weights[0].dtype
+            if dtype is not wanted:
+                raise ValueError(f"block_rows: {kind} products with {dtype} activations")
+            pointers = [w.data_ptr() for w in weights] + [None] * (2 - len(weights))  # weights, scales
+            linears.append(_Linear(list(PRODUCTS).index(kind), k, n, *pointers, self._dense(bias, n, dtype)))
+            self.tensors += [*weights, bias]
+        norm_pointers = []
+        for weight, bias in norms:
+            norm_pointers += [self._dense(weight, d, dtype), self._dense(bias, d, dtype)]
+            self.tensors += [weight, bias]
+        self.dtype = dtype
+        self.n_head = n_head
+        self.struct = _BlockWeights(*linears, *norm_pointers, eps, n_head, d // n_head)
+
+    @staticmethod
+    def _dense(tensor: torch.Tensor | None, n: int, dtype: torch.dtype) -> int | None:
+        if tensor is None:
+            return None
+        if tensor.dtype is not dtype or not tensor.is_contiguous() or tensor.numel() != n:
+            raise ValueError(
+                f"block_rows: norms and biases dense {dtype} [{n}], got {tensor.dtype} {list(tensor.shape)}"
+            )
+        return tensor.data_ptr()
+
+
+def block_rows(
+    weights: BlockWeights, x: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+    positions: list[int], overwrite: list[bool] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """A decode step's pre-LN block in one call (lab/kernels/intmm.c says what it computes): x [B, D],
+    the stream of B rows of one token in ``weights.dtype``, each row's attention over its own caches
+    at its position (as ``attend_rows``), ``overwrite[b]``: row b hands on attn_out + mlp_out. [B, D]."""
+    B, D = x.shape
+    if x.dtype is not weights.dtype or not x.is_contiguous():
+        raise ValueError(f"block_rows: x dense {weights.dtype} [B, D], got {x.dtype} {list(x.shape)}")
+    caches = _caches(
+        "block_rows", k_caches, v_caches, positions, weights.n_head, D // weights.n_head, x.dtype
+    )
+    flags = None if overwrite is None else (ctypes.c_uint8 * B)(*overwrite)
+    out = torch.empty(B, D, dtype=x.dtype)
+    bf16 = x.dtype is torch.bfloat16
+    status = _function("block_rows")(
+        ctypes.byref(weights.struct), B, bf16, x.data_ptr(), *caches, flags, out.data_ptr()
+    )
+    if status != 0:
+        raise MemoryError(f"block_rows: no memory for the activations of {B} rows")
+    return out
 
 
 def argmax(x: torch.Tensor) -> int:

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lab import tokens
-from lab.attention_kernel import use_attention_kernel, uses_attention_kernel
+from lab.block_kernel import use_block_kernels, uses_block_kernels
 from lab.config import GPTConfig
 from lab.errors import UserError
 from lab.exit_probe import FILE as EXIT_PROBE_FILE
@@ -458,8 +458,9 @@ def load_model(
     ``attention``: 'eager' | 'sdpa' override. The model's tuned lens, where one was fitted to it
     (``lab.lens.home``), comes with it as ``model.tuned_lens``.
     ``kernels``: on a CPU where lab.intmm builds, float32 and bf16 weights decode through its
-    products (``lab.float_kernels``) and every model's decode attention through its kernel
-    (``lab.attention_kernel``): the same parameters; training and prompts still take torch's.
+    products (``lab.float_kernels``), and every model's decode steps through its blocks in one call
+    each, or their attention alone (``lab.block_kernel``): the same parameters; training and prompts
+    still take torch's.
     False keeps torch's products and attention throughout (a baseline).
     """
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
@@ -473,8 +474,8 @@ def load_model(
     model = quantize(model, name) if quantized else model
     if kernels and not quantized and uses_float_kernels(model.wte.weight.dtype, device):
         use_float_kernels(model)
-    if kernels and uses_attention_kernel(device):
-        use_attention_kernel(model)
+    if kernels and uses_block_kernels(device):
+        use_block_kernels(model)
     from lab.lens.home import attach_tuned_lens  # here: lab.lens.home finds a lens by lab.weights' paths
 
     attach_tuned_lens(spec, model)  # a tuned lens fitted to it, for lens=tuned block sets (or None)

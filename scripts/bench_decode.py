@@ -56,7 +56,7 @@ LOW_PRECISION = ("bfloat16", "int8", "w8a8", "int4", "w4a8")
 """Weights besides fp32 that decoding is measured with (lab.quantize)."""
 TORCH_KERNEL_DTYPES = ("float32", "bfloat16", "w4a8")
 """Also timed with torch's kernels (``load_model(kernels=False)``): the baseline of lab.intmm's float
-products (lab.float_kernels) and decode attention (lab.attention_kernel)."""
+products (lab.float_kernels) and decode steps' blocks in one call each (lab.block_kernel)."""
 SKIPS = (3, 6, 9, 12)
 """Blocks skipped (the last k) in the per-block fit."""
 

@@ -1,4 +1,4 @@
-"""A decode step's attention and greedy pick through lab.intmm's kernels (lab.attention_kernel,
+"""A decode step's attention and greedy pick through lab.intmm's kernels (lab.block_kernel,
 lab.intmm.argmax): the attention kernel is its definition and writes the caches as torch's path does,
 each row is computed as if alone, the loader gives it to every model on the CPU without changing its
 parameters, decoding matches torch's attention, and hooks, prompts and gradients keep torch's; the
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lab import intmm
-from lab.attention_kernel import KernelAttention, use_attention_kernel
+from lab.block_kernel import KernelAttention, use_block_kernels
 from lab.decode import Decoder
 from lab.hooks import capture
 from lab.model import CausalSelfAttention
@@ -91,7 +91,7 @@ def test_kernel_attention_decodes_as_torch_does_and_rows_are_alone(dtype):
     logits up to the sums' order, with its parameters unchanged; under rows_alone every row, under
     any block set, gets bit for bit the logits it gets alone."""
     plain = tiny(dtype)
-    model = use_attention_kernel(tiny(dtype))
+    model = use_block_kernels(tiny(dtype))
     assert all(type(block.attn) is KernelAttention for block in model.blocks)
     pairs = zip(model.state_dict().values(), plain.state_dict().values(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
@@ -106,7 +106,7 @@ def test_hooks_prompts_and_gradients_keep_torchs_attention(monkeypatch):
     """While a block's attention pattern is hooked that block's attention is torch's explicit one
     (the hook sees its pattern; the other blocks keep the kernel), and so are a prompt's positions
     and anything that needs gradients: the kernel is not called for them."""
-    model = use_attention_kernel(tiny())
+    model = use_block_kernels(tiny())
     calls = []
     kernel = intmm.attend_rows
     monkeypatch.setattr(intmm, "attend_rows", lambda *args: calls.append(1) or kernel(*args))

@@ -822,3 +822,137 @@ int64_t argmax(const void *x, int64_t n, int bf16) {
   }
   return 0; /* n == 0 */
 }
+
+/* A decode step's block in one call: every row of one token through a pre-LN (GPT-2) block,
+ *
+ *   h = ln_1(x); mid = x + attn_proj(attend(c_attn(h))); out = mid + mlp_proj(gelu(c_fc(ln_2(mid))))
+ *
+ * (out = attn_out + mlp_out for a row whose overwrite flag is set: lab.model.Block's overwrite), with
+ * the products, attention and argmax above. From Python the same block was some thirty calls into
+ * torch and ctypes, each costing more than its work at one row: the step's fixed cost beside the
+ * weights' bytes. Each intermediate is kept in the activations' dtype, rounded where torch's ops
+ * round (every op's output, in bf16), so the block computes what lab.model.Block computes up to the
+ * arithmetic inside a LayerNorm and a GELU; each row on its own, as every part here computes it
+ * (batch invariance). */
+
+enum { PRODUCT_F32, PRODUCT_BF16, PRODUCT_W4A8, PRODUCT_W8A8 };
+
+/* One of a block's products as lab/intmm.py describes it: kind, K, N, the weights of f32_mm, bf16_mm,
+ * w4a8_mm (packed, scales_zeros) or w8a8_mm (values, scales), and the bias (NULL: none). */
+struct linear {
+  int64_t kind, k, n;
+  const void *weights, *scales, *bias;
+};
+
+struct block_weights {
+  struct linear c_attn, attn_proj, c_fc, mlp_proj;
+  const void *ln_1_weight, *ln_1_bias, *ln_2_weight, *ln_2_bias; /* [D] each; the biases may be NULL */
+  double eps;
+  int64_t n_head, head_dim;
+};
+
+static int linear_rows(const struct linear *l, const void *x, int64_t M, int bf16, void *y) {
+  switch (l->kind) {
+  case PRODUCT_F32:
+    return f32_mm(x, M, l->k, bf16, l->weights, l->n, l->bias, y);
+  case PRODUCT_BF16:
+    return bf16_mm(x, M, l->k, bf16, l->weights, l->n, l->bias, y);
+  case PRODUCT_W4A8:
+    return w4a8_mm(x, M, l->k, bf16, l->weights, l->scales, l->n, l->bias, y);
+  case PRODUCT_W8A8:
+    return w8a8_mm(x, M, l->k, bf16, l->weights, l->scales, l->n, l->bias, y);
+  }
+  return -2;
+}
+
+static inline void put(void *y, int bf16, int64_t i, float value) {
+  if (bf16)
+    ((uint16_t *)y)[i] = float_to_bf16(value);
+  else
+    ((float *)y)[i] = value;
+}
+
+/* y [B, D] = LayerNorm(x [B, D]) * weight + bias, each row's mean and variance in float32, eight lanes
+ * at a time in a fixed order. */
+static void layer_norm_rows(const void *x, int64_t B, int64_t D, int bf16, const void *weight, const void *bias,
+                            float eps, void *y) {
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t row = b * D;
+    __m256 lanes = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) lanes = _mm256_add_ps(lanes, bf16 ? widen_lanes(1, x, row + d) : widen_lanes(0, x, row + d));
+    float total = sum_lanes(lanes);
+    for (; d < D; ++d) total += load(x, bf16, row + d);
+    const float mean = total / (float)D;
+    float squares = 0.f;
+    for (d = 0; d < D; ++d) {
+      const float centred = load(x, bf16, row + d) - mean;
+      squares += centred * centred;
+    }
+    const float rstd = 1.f / sqrtf(squares / (float)D + eps);
+    for (d = 0; d < D; ++d) {
+      const float value = (load(x, bf16, row + d) - mean) * rstd * load(weight, bf16, d);
+      put(y, bf16, row + d, bias != NULL ? value + load(bias, bf16, d) : value);
+    }
+  }
+}
+
+/* tanh for 8 lanes: sign(u) (1 - e) / (1 + e), e = e^(-2 |u|) (exp_lanes takes arguments <= 0). */
+static inline __m256 tanh_lanes(__m256 u) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+  const __m256 e = exp_lanes(_mm256_mul_ps(_mm256_andnot_ps(sign_bit, u), _mm256_set1_ps(-2.f)));
+  const __m256 magnitude = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  return _mm256_or_ps(magnitude, _mm256_and_ps(u, sign_bit));
+}
+
+/* x [n] = GELU(x), the tanh approximation GPT-2 was trained with, in place. */
+static void gelu_rows(void *x, int64_t n, int bf16) {
+  const __m256 kappa = _mm256_set1_ps(0.044715f), beta = _mm256_set1_ps(0.7978845608028654f);
+  const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
+  float values[8];
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t count = n - i < 8 ? n - i : 8;
+    for (int64_t j = 0; j < count; ++j) values[j] = load(x, bf16, i + j);
+    for (int64_t j = count; j < 8; ++j) values[j] = 0.f;
+    const __m256 v = _mm256_loadu_ps(values);
+    const __m256 inner = _mm256_mul_ps(beta, _mm256_fmadd_ps(_mm256_mul_ps(kappa, v), _mm256_mul_ps(v, v), v));
+    _mm256_storeu_ps(values, _mm256_mul_ps(_mm256_mul_ps(half, v), _mm256_add_ps(one, tanh_lanes(inner))));
+    for (int64_t j = 0; j < count; ++j) put(x, bf16, i + j, values[j]);
+  }
+}
+
+/* out [B, D] from the stream x [B, D] of B rows, one token each, through the block `w`; row b's
+ * attention over its caches k_caches[b], v_caches[b] ([H, t_max[b], Dh]) at pos[b], as attend_rows.
+ * overwrite [B] (or NULL): the rows whose output is attn_out + mlp_out. bf16: x, out and the caches
+ * bf16, else float32. Returns 0, -1 when there is no memory, -2 for a product of no known kind. */
+int block_rows(const struct block_weights *w, int64_t B, int bf16, const void *x, void *const *k_caches,
+               void *const *v_caches, const int64_t *t_max, const int64_t *pos, const uint8_t *overwrite,
+               void *out) {
+  const int64_t D = w->n_head * w->head_dim;
+  const size_t width = bf16 ? 2 : 4, row = (size_t)(B * D) * width;
+  char *h = malloc(row * 12); /* h, qkv (3), attended, attn_out, mid, hidden (4), mlp_out: [B, D] units */
+  if (h == NULL) return -1;
+  char *qkv = h + row, *attended = qkv + 3 * row, *attn_out = attended + row, *mid = attn_out + row;
+  char *hidden = mid + row, *mlp_out = hidden + 4 * row;
+  const float eps = (float)w->eps;
+  layer_norm_rows(x, B, D, bf16, w->ln_1_weight, w->ln_1_bias, eps, h);
+  int status = linear_rows(&w->c_attn, h, B, bf16, qkv);
+  if (status == 0) status = attend_rows(B, w->n_head, w->head_dim, bf16, qkv, k_caches, v_caches, t_max, pos, attended);
+  if (status == 0) status = linear_rows(&w->attn_proj, attended, B, bf16, attn_out);
+  if (status == 0) {
+    for (int64_t i = 0; i < B * D; ++i) put(mid, bf16, i, load(x, bf16, i) + load(attn_out, bf16, i));
+    layer_norm_rows(mid, B, D, bf16, w->ln_2_weight, w->ln_2_bias, eps, h);
+    status = linear_rows(&w->c_fc, h, B, bf16, hidden);
+  }
+  if (status == 0) {
+    gelu_rows(hidden, 4 * B * D, bf16);
+    status = linear_rows(&w->mlp_proj, hidden, B, bf16, mlp_out);
+  }
+  if (status == 0)
+    for (int64_t b = 0; b < B; ++b) {
+      const char *kept = overwrite != NULL && overwrite[b] ? attn_out : mid;
+      for (int64_t i = b * D; i < (b + 1) * D; ++i) put(out, bf16, i, load(kept, bf16, i) + load(mlp_out, bf16, i));
+    }
+  free(h);
+  return status;
+}

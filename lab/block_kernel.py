@@ -1,0 +1,210 @@
+"""A decode step's blocks through lab.intmm's kernels: each block in one C call, or its attention alone.
+
+    model = lab.weights.load_model("gpt2-random", "w4a8")   # on a CPU where lab.intmm builds: has them
+    use_block_kernels(model)                               # in place, on any model on the CPU
+
+A decode step multiplies every weight by a row or a few, and around those products a block made some
+thirty calls into torch and ctypes (two norms, a GELU, the adds, the attention over each row's cache,
+the hook points, the modules' call paths), each costing more than its work at that size: the step's
+fixed cost beside the weights' bytes (docs/inference.md has the figures). Two classes take them over,
+with the same parameters, state dict and hook points as the modules they replace:
+
+- ``KernelBlock`` is a ``lab.model.Block`` whose rows of one token over their own caches (what
+  ``lab.decode.decode_rows`` runs) go through the whole block in one call, ``lab.intmm.block_rows``:
+  the pre-LN block (GPT-2's) with products lab.intmm computes (float32 and bf16 weights, w4a8, w8a8),
+  each intermediate rounded where torch's ops round it. Each row is computed on its own, so a row's
+  result is the one it gets alone (batch invariance). Float products take it at one row, or any
+  number under ``lab.rows.rows_alone``, as ``lab.float_kernels`` does; torch's int4 and int8 kernels,
+  other norms, training, gradients, ``torch.compile``, and any step while a module of the block is
+  hooked keep the modules' forward, which computes the same up to the last bits of a LayerNorm's
+  and a GELU's arithmetic.
+- ``KernelAttention`` is a ``lab.model.CausalSelfAttention`` whose rows over their own caches
+  (``CausalSelfAttention.attend_rows``) go to ``lab.intmm.attend_rows``, for the blocks that keep the
+  modules' forward: one call writes every row's key and value and attends, each (row, head) summed
+  in a fixed order. Prompts (several tokens), the compiled step (``lab.fast``), gradients,
+  ``attention="eager"`` models, other devices and dtypes, and any step while the ``scores`` or
+  ``pattern`` hook points are hooked keep torch's attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+
+from lab import intmm
+from lab.float_kernels import KernelLinear
+from lab.model import GPT, Block, CausalSelfAttention, LayerCache
+from lab.quantize import QuantizedLinear
+from lab.rows import taking_rows_alone
+
+
+def uses_block_kernels(device: torch.device | str) -> bool:
+    """Whether ``lab.weights.load_model`` gives a model on ``device`` these kernels: a CPU where
+    lab.intmm builds."""
+    return torch.device(device).type == "cpu" and intmm.unavailable() is None
+
+
+class KernelAttention(CausalSelfAttention):
+    """``CausalSelfAttention`` whose one-token rows over their own caches are lab.intmm's (module
+    docstring)."""
+
+    def attend_rows(self, qkv: torch.Tensor, caches: list[LayerCache], positions: list[int]) -> torch.Tensor:
+        if not self._kernel_takes(qkv, caches):
+            return super().attend_rows(qkv, caches, positions)
+        k_caches, v_caches = [k for k, _ in caches], [v for _, v in caches]
+        y = intmm.attend_rows(qkv[:, 0], k_caches, v_caches, positions, self.n_head)  # [B, D]
+        return y[:, None]  # [B, 1, D]
+
+    def _kernel_takes(self, qkv: torch.Tensor, caches: list[LayerCache]) -> bool:
+        if qkv.size(1) != 1 or qkv.device.type != "cpu" or qkv.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if self.attention == "eager" or self.scores.is_hooked or self.pattern.is_hooked:
+            return False
+        if torch.is_grad_enabled() and qkv.requires_grad or torch.compiler.is_compiling():
+            return False
+        return all(k.dtype is qkv.dtype and k.is_contiguous() and v.is_contiguous() for k, v in caches)
+
+
+def _product(linear: nn.Module) -> intmm.Product | None:
+    """``linear`` as a product of ``lab.intmm.block_rows`` (None: one it does not compute)."""
+    if type(linear) is QuantizedLinear and linear.kind in ("w4a8", "w8a8"):
+        buffers = linear._buffers
+        names = ("weight_w4", "scales_zeros") if linear.kind == "w4a8" else ("weight_int8", "scales")
+        return linear.kind, tuple(buffers[name] for name in names), buffers["bias"], linear.out_features
+    if type(linear) is KernelLinear and linear.weight.dtype in (torch.float32, torch.bfloat16):
+        kind = "f32" if linear.weight.dtype is torch.float32 else "bf16"
+        weight = linear.weight.detach().t()  # [Dout, Din], dense: the kernels' layout
+        bias = None if linear.bias is None else linear.bias.detach()
+        return kind, (weight,), bias, weight.size(0)
+    return None
+
+
+def _held_modules(block: Block) -> tuple[nn.Module, ...]:
+    """The modules whose tensors ``lab.intmm.block_rows`` reads, read through the modules' dicts (the
+    attribute path costs a share of the call)."""
+    attn, mlp = block._modules["attn"]._modules, block._modules["mlp"]._modules
+    return (
+        attn["c_attn"],
+        attn["c_proj"],
+        mlp["c_fc"],
+        mlp["c_proj"],
+        block._modules["ln_1"],
+        block._modules["ln_2"],
+    )
+
+
+def _addresses(modules: tuple[nn.Module, ...]) -> list[int]:
+    """Where the modules' parameters and buffers lie: a parameter's data swapped (``.to()``) moves."""
+    addresses = []
+    for module in modules:
+        for tensors in (module._parameters, module._buffers):
+            for tensor in tensors.values():
+                addresses.append(0 if tensor is None else tensor.data_ptr())
+    return addresses
+
+
+def _not_held() -> None:
+    return None
+
+
+class _Weights:
+    """A block's ``lab.intmm.BlockWeights`` (None: the block is not one it computes) and what they were
+    built from, to notice when that changes: a module replaced (as lab.quantize replaces them), a
+    tensor's data swapped or replaced."""
+
+    def __init__(self, block: Block):
+        self.modules = _held_modules(block)
+        self.addresses = _addresses(self.modules)
+        self.hookable = tuple(block.modules())
+        self.weights: intmm.BlockWeights | None = None
+        self.floats = False  # float products: one row, or rows alone (lab.float_kernels' rule)
+        products = [_product(linear) for linear in self.modules[:4]]
+        norms = self.modules[4:]
+        if None in products or block.norm != "pre" or any(type(norm) is not nn.LayerNorm for norm in norms):
+            return
+        if any(norm.weight is None for norm in norms) or block.attn.attention == "eager":
+            return
+        dtype = norms[0].weight.dtype
+        pairs = [(norm.weight.detach(), None if norm.bias is None else norm.bias.detach()) for norm in norms]
+        try:
+            self.weights = intmm.BlockWeights(products, pairs, norms[0].eps, block.attn.n_head, dtype)
+        except ValueError:  # dtypes or layouts the kernels do not read: the modules' forward
+            return
+        self.floats = products[0][0] in ("f32", "bf16")
+
+    def __reduce__(self):
+        return _not_held, ()  # a copy or a pickle of the model builds its own (ctypes holds addresses)
+
+    def current(self, block: Block) -> bool:
+        modules = _held_modules(block)
+        for module, held in zip(modules, self.modules, strict=True):  # a loop, not all(): 12 calls a step
+            if module is not held:
+                return False
+        return _addresses(modules) == self.addresses
+
+
+class KernelBlock(Block):
+    """``Block`` whose one-token rows over their own caches run in one call to lab.intmm (module
+    docstring)."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: LayerCache | list[LayerCache] | None = None,
+        pos: int | list[int] | torch.Tensor = 0,
+        overwrite: bool | torch.Tensor = False,
+    ) -> torch.Tensor:
+        weights = self._kernel_weights(x, cache)
+        if weights is None:
+            return super().forward(x, cache, pos, overwrite)
+        B, _, D = x.shape
+        flags = (
+            overwrite.tolist()
+            if isinstance(overwrite, torch.Tensor)
+            else [overwrite] * B
+            if overwrite
+            else None
+        )
+        k_caches, v_caches = [k for k, _ in cache], [v for _, v in cache]
+        out = intmm.block_rows(weights, x.reshape(B, D), k_caches, v_caches, pos, flags)  # [B, D]
+        return out.view(B, 1, D)  # [B, 1, D]
+
+    def _kernel_weights(self, x: torch.Tensor, cache: object) -> intmm.BlockWeights | None:
+        """The block's weights for ``lab.intmm.block_rows`` when it takes these rows, else None."""
+        if not isinstance(cache, list) or x.size(1) != 1 or self.training or torch.compiler.is_compiling():
+            return None
+        if (
+            x.device.type != "cpu"
+            or torch.is_grad_enabled()
+            and (x.requires_grad or self.ln_1.weight.requires_grad)
+        ):
+            return None
+        held = self.__dict__.get("_held")
+        if held is None or not held.current(self):
+            held = self.__dict__["_held"] = _Weights(self)  # in __dict__: not a submodule, not state
+        weights = held.weights
+        if (
+            weights is None
+            or x.dtype is not weights.dtype
+            or held.floats
+            and x.size(0) > 1
+            and not taking_rows_alone()
+        ):
+            return None
+        if _global_forward_hooks or _global_forward_pre_hooks:
+            return None
+        for module in held.hookable:  # a loop, not any(): a dozen calls a step
+            if module._forward_hooks or module._forward_pre_hooks:
+                return None
+        return weights
+
+
+def use_block_kernels(model: GPT) -> GPT:
+    """Give ``model``'s blocks and their attention the kernels (module docstring), in place; returns it."""
+    for module in model.modules():
+        if type(module) is CausalSelfAttention:
+            module.__class__ = KernelAttention  # the same parameters; only the rows' attention differs
+        elif type(module) is Block:
+            module.__class__ = KernelBlock
+    return model

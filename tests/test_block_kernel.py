@@ -1,0 +1,189 @@
+"""A decode step's block in one call (lab.block_kernel.KernelBlock, lab.intmm.block_rows): it computes
+what the block's modules compute, writes the caches as they do, each row as if alone, under every
+block-set kind; the loader gives it to the models whose products lab.intmm computes; hooks, prompts,
+gradients, training, torch's int4 products and other norms keep the modules' forward, and a block
+whose modules or weights change is read again."""
+
+import copy
+
+import pytest
+import torch
+
+from lab import intmm
+from lab.block_kernel import KernelBlock
+from lab.decode import Decoder, decode_rows
+from lab.hooks import capture
+from lab.model import Block, Linear
+from lab.rows import rows_alone
+from lab.weights import load_model, save_model
+from tests.tiny import TinyModel, assert_rows_alone
+
+pytestmark = pytest.mark.skipif(intmm.unavailable() is not None, reason=str(intmm.unavailable()))
+
+KINDS = ["float32", "bfloat16", "w4a8", "w8a8"]
+"""The weights whose products lab.intmm computes, so whose blocks run in one call."""
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "w4a8": 2e-2, "w8a8": 2e-2}
+"""bf16 activations: a LayerNorm's or a GELU's output may round to the neighbouring bf16 value."""
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny")
+    save_model(TinyModel(n_layer=3, n_embd=64, n_head=4)("cpu"), directory)  # w4a8: widths of 64
+    return str(directory)
+
+
+@pytest.fixture
+def block_calls(monkeypatch):
+    """How many times ``lab.intmm.block_rows`` ran."""
+    calls = []
+    kernel = intmm.block_rows
+    monkeypatch.setattr(intmm, "block_rows", lambda *args: calls.append(1) or kernel(*args))
+    return calls
+
+
+def caches(dtype: torch.dtype, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A row's random keys and values [1, H, T_max, Dh] each, the same for the same T_max."""
+    made = []
+    for t in lengths:
+        k, v = torch.randn(2, 1, 4, t, 16, generator=torch.Generator().manual_seed(t)).to(dtype)
+        made.append((k.clone(), v.clone()))
+    return made
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_block_in_one_call_is_the_blocks_forward_and_rows_are_alone(saved, block_calls, kind):
+    """Rows at different positions over caches of different lengths, one of them overwriting: the
+    call's stream and the keys and values it writes are the modules' up to rounding; each row's
+    result is bit for bit the one it gets alone or among other rows."""
+    model = load_model(saved, kind)
+    block = model.blocks[1]
+    assert type(block) is KernelBlock
+    dtype = model.wte.weight.dtype
+    x = torch.randn(3, 1, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    positions, lengths = [0, 7, 12], [4, 8, 20]
+    overwrite = torch.tensor([False, True, False])
+    ours, theirs = caches(dtype, lengths), caches(dtype, lengths)
+    with torch.inference_mode(), rows_alone():
+        out = block(x, ours, positions, overwrite=overwrite)
+        expected = Block.forward(block, x, theirs, positions, overwrite=overwrite)
+        assert len(block_calls) == 1
+        tolerance = TOLERANCE[kind]
+        torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+        for (k, v), (k_expected, v_expected) in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(k.float(), k_expected.float(), rtol=tolerance, atol=tolerance)
+            torch.testing.assert_close(v.float(), v_expected.float(), rtol=tolerance, atol=tolerance)
+        for rows in ([0], [2], [1, 2], [2, 0]):
+            alone = block(x[rows], caches(dtype, [lengths[b] for b in rows]), [positions[b] for b in rows],
+                          overwrite=overwrite[rows])  # fmt: skip
+            assert torch.equal(alone, out[rows]), rows
+        plain = block(x[:1], caches(dtype, lengths[:1]), positions[:1], overwrite=True)
+        expected = Block.forward(block, x[:1], caches(dtype, lengths[:1]), positions[:1], overwrite=True)
+        torch.testing.assert_close(plain.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("kind", ["float32", "w4a8"])
+def test_decoding_through_it_matches_the_modules_under_every_block_set(saved, block_calls, kind):
+    """A model whose blocks run in one call decodes rows under different block sets to the logits
+    of the same model through its modules, up to rounding; under rows_alone each row is alone."""
+    model = load_model(saved, kind)
+    specs = ["all", "skip=1", "exit=2", "overwrite=0", "adaptive=0.5", "keep=0,2"]
+    fast, _ = assert_rows_alone(model, specs, list(range(30, 40)))
+    assert block_calls
+    for block in model.blocks:
+        block.__class__ = Block
+    calls = len(block_calls)
+    slow, _ = assert_rows_alone(model, specs, list(range(30, 40)))
+    assert len(block_calls) == calls
+    tolerance = 1e-4 if kind == "float32" else 5e-2
+    torch.testing.assert_close(fast.float(), slow.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_several_float_rows_share_torchs_product_unless_rows_alone(saved, block_calls):
+    """Float products take one row, or rows alone, as lab.float_kernels has them; several rows
+    sharing torch's matrix-matrix product keep the modules; w4a8's take any number."""
+    for kind, expected in (("float32", 0), ("w4a8", 1)):
+        block_calls.clear()
+        model = load_model(saved, kind)
+        dtype = model.wte.weight.dtype
+        with torch.inference_mode():
+            model.blocks[0](torch.zeros(2, 1, 64, dtype=dtype), caches(dtype, [4, 4]), [0, 1])
+        assert len(block_calls) == expected, kind
+
+
+def test_hooks_prompts_gradients_and_training_keep_the_modules(saved, block_calls):
+    """A block with any module hooked (a hook point, a norm, through lab.hooks or torch's own
+    hooks, a global hook) runs its modules, so the hooks see what they always saw; the other blocks
+    keep the call. So do a prompt's positions, anything that needs gradients and training mode."""
+    model = load_model(saved, "float32")
+    L = model.config.n_layer
+    decoder = Decoder(model, None, max_len=32)
+    decoder.prefill([1, 2, 3, 4])
+    assert block_calls == []
+    decoder.step(5)
+    assert len(block_calls) == L
+    with capture(model, ["blocks.1.resid_mid", "blocks.2.mlp.hidden"]) as seen:
+        decoder.step(6)
+    assert seen["blocks.1.resid_mid"].shape == (1, 1, 64) and len(block_calls) == 2 * L - 2
+    handle = model.blocks[0].ln_1.register_forward_hook(lambda *args: None)
+    decoder.step(7)
+    handle.remove()
+    assert len(block_calls) == 3 * L - 3
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    decoder.step(8)
+    handle.remove()
+    assert len(block_calls) == 3 * L - 3
+    decoder.step(9)
+    assert len(block_calls) == 4 * L - 3
+    block = model.blocks[0]
+    x = torch.randn(1, 1, 64, requires_grad=True)
+    block(x, caches(torch.float32, [8]), [0]).sum().backward()
+    assert x.grad is not None
+    block.train()
+    with torch.inference_mode():
+        block(x.detach(), caches(torch.float32, [8]), [0])
+    assert len(block_calls) == 4 * L - 3
+
+
+def test_what_it_does_not_compute_keeps_the_modules(tmp_path, block_calls):
+    """torch's int4 products, a post-LN block and a block whose product was replaced by torch's
+    run their modules; the loader's ``kernels=False`` keeps plain blocks."""
+    save_model(TinyModel(n_layer=2, n_embd=64, n_head=4)("cpu"), tmp_path)
+    assert type(load_model(str(tmp_path), "float32", kernels=False).blocks[0]) is Block
+    model = load_model(str(tmp_path), "int4")
+    assert type(model.blocks[0]) is KernelBlock
+    Decoder(model, None, max_len=8).step(3)
+    model = load_model(str(tmp_path), "float32")
+    for block in model.blocks:
+        block.norm = "post"
+    Decoder(model, None, max_len=8).step(3)
+    assert block_calls == []
+    model = load_model(str(tmp_path), "float32")
+    Decoder(model, None, max_len=8).step(3)
+    assert len(block_calls) == 2
+    replaced = Linear(64, 256)
+    replaced.load_state_dict(model.blocks[0].mlp.c_fc.state_dict())
+    model.blocks[0].mlp.c_fc = replaced
+    Decoder(model, None, max_len=8).step(3)
+    assert len(block_calls) == 3
+
+
+def test_changed_weights_are_read_again_and_copies_work(saved):
+    """Weights that change after a step (new data in a parameter, the model in another dtype) are
+    the ones the next step reads; a deep copy of the model decodes as the model does."""
+    model = load_model(saved, "float32")
+    before = Decoder(model, None, max_len=8).step(3)[0]
+    copied = copy.deepcopy(model)
+    torch.testing.assert_close(Decoder(copied, None, max_len=8).step(3)[0], before, rtol=0, atol=0)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mlp.c_proj.weight.data = block.mlp.c_proj.weight.data * 2  # a new tensor
+    changed = Decoder(model, None, max_len=8).step(3)[0]
+    for block in model.blocks:
+        block.__class__ = Block
+    torch.testing.assert_close(changed, Decoder(model, None, max_len=8).step(3)[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(changed, before)
+    model = load_model(saved, "float32").to(torch.bfloat16)
+    with torch.inference_mode():
+        logits = decode_rows(model, [Decoder(model, None, max_len=8)], [3])[0]
+    assert logits.dtype == torch.bfloat16
