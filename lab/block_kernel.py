@@ -10,14 +10,16 @@ fixed cost beside the weights' bytes (docs/inference.md has the figures). Two cl
 with the same parameters, state dict and hook points as the modules they replace:
 
 - ``KernelBlock`` is a ``lab.model.Block`` whose rows of one token over their own caches (what
-  ``lab.decode.decode_rows`` runs) go through the whole block in one call, ``lab.intmm.block_rows``:
+  ``lab.decode.decode_rows`` runs), and a prompt's tokens over its sequence's cache (a row each,
+  attending causally), go through the whole block in one call, ``lab.intmm.block_rows``:
   the pre-LN block (GPT-2's) with products lab.intmm computes (float32 and bf16 weights, w4a8, w8a8),
   each intermediate rounded where torch's ops round it. Each row is computed on its own, so a row's
-  result is the one it gets alone (batch invariance). Float products take it at one row, or any
-  number under ``lab.rows.rows_alone``, as ``lab.float_kernels`` does; torch's int4 and int8 kernels,
-  other norms, training, gradients, ``torch.compile``, and any step while a module of the block is
-  hooked keep the modules' forward, which computes the same up to the last bits of a LayerNorm's
-  and a GELU's arithmetic.
+  result is the one it gets alone (batch invariance), and a prompt's the same whatever chunks it is
+  fed in. Float products take it at one row, or any number under ``lab.rows.rows_alone``, as
+  ``lab.float_kernels`` does (a float prompt keeps torch's matrix-matrix products); torch's int4
+  and int8 kernels, other norms, training, gradients, ``torch.compile``, and any step while a module
+  of the block is hooked keep the modules' forward, which computes the same up to the last bits of
+  a LayerNorm's and a GELU's arithmetic.
 - ``KernelAttention`` is a ``lab.model.CausalSelfAttention`` whose rows over their own caches
   (``CausalSelfAttention.attend_rows``) go to ``lab.intmm.attend_rows``, for the blocks that keep the
   modules' forward: one call writes every row's key and value and attends, each (row, head) summed
@@ -145,8 +147,8 @@ class _Weights:
 
 
 class KernelBlock(Block):
-    """``Block`` whose one-token rows over their own caches run in one call to lab.intmm (module
-    docstring)."""
+    """``Block`` whose one-token rows over their own caches, and a prompt's tokens, run in one call to
+    lab.intmm (module docstring)."""
 
     def forward(
         self,
@@ -155,43 +157,38 @@ class KernelBlock(Block):
         pos: int | list[int] | torch.Tensor = 0,
         overwrite: bool | torch.Tensor = False,
     ) -> torch.Tensor:
-        weights = self._kernel_weights(x, cache)
+        B, T, D = x.shape
+        if isinstance(cache, list) and T == 1:  # rows of different sequences, one token each
+            caches, positions = cache, pos
+        elif isinstance(cache, tuple) and isinstance(pos, int) and B == 1 and cache[0].size(0) == 1:
+            caches, positions = [cache] * T, list(range(pos, pos + T))  # a sequence's tokens, a row each
+        else:
+            return super().forward(x, cache, pos, overwrite)
+        weights = self._kernel_weights(x, B * T)
         if weights is None:
             return super().forward(x, cache, pos, overwrite)
-        B, _, D = x.shape
-        flags = (
-            overwrite.tolist()
-            if isinstance(overwrite, torch.Tensor)
-            else [overwrite] * B
-            if overwrite
-            else None
-        )
-        k_caches, v_caches = [k for k, _ in cache], [v for _, v in cache]
-        out = intmm.block_rows(weights, x.reshape(B, D), k_caches, v_caches, pos, flags)  # [B, D]
-        return out.view(B, 1, D)  # [B, 1, D]
+        if isinstance(overwrite, torch.Tensor):
+            flags = overwrite.tolist()  # [B] per row
+        else:
+            flags = [True] * B * T if overwrite else None
+        k_caches, v_caches = [k for k, _ in caches], [v for _, v in caches]
+        out = intmm.block_rows(weights, x.reshape(B * T, D), k_caches, v_caches, positions, flags)  # [B*T, D]
+        return out.view(B, T, D)
 
-    def _kernel_weights(self, x: torch.Tensor, cache: object) -> intmm.BlockWeights | None:
-        """The block's weights for ``lab.intmm.block_rows`` when it takes these rows, else None."""
-        if not isinstance(cache, list) or x.size(1) != 1 or self.training or torch.compiler.is_compiling():
+    def _kernel_weights(self, x: torch.Tensor, rows: int) -> intmm.BlockWeights | None:
+        """The block's weights for ``lab.intmm.block_rows`` when it takes these ``rows``, else None."""
+        if self.training or torch.compiler.is_compiling() or x.device.type != "cpu":
             return None
-        if (
-            x.device.type != "cpu"
-            or torch.is_grad_enabled()
-            and (x.requires_grad or self.ln_1.weight.requires_grad)
-        ):
-            return None
+        if torch.is_grad_enabled() and (x.requires_grad or self.ln_1.weight.requires_grad):
+            return None  # the kernels have no backward
         held = self.__dict__.get("_held")
         if held is None or not held.current(self):
             held = self.__dict__["_held"] = _Weights(self)  # in __dict__: not a submodule, not state
         weights = held.weights
-        if (
-            weights is None
-            or x.dtype is not weights.dtype
-            or held.floats
-            and x.size(0) > 1
-            and not taking_rows_alone()
-        ):
+        if weights is None or x.dtype is not weights.dtype:
             return None
+        if held.floats and rows > 1 and not taking_rows_alone():
+            return None  # torch's matrix-matrix product for several rows, as lab.float_kernels has it
         if _global_forward_hooks or _global_forward_pre_hooks:
             return None
         for module in held.hookable:  # a loop, not any(): a dozen calls a step

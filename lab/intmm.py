@@ -335,6 +335,8 @@ class BlockWeights:
         if dtype not in (torch.float32, torch.bfloat16) or len(products) != 4 or len(norms) != 2:
             raise ValueError(f"block_rows: 4 products, 2 norms and float32 or bf16 activations, got {dtype}")
         d = norms[0][0].numel()
+        if d % 8:
+            raise ValueError(f"block_rows: widths that are multiples of 8, got {d}")
         widths = (d, d, d, 4 * d)  # the products' inputs
         linears, self.tensors = [], []
         for (kind, weights, bias, n), k in zip(products, widths, strict=True):
@@ -368,9 +370,10 @@ def block_rows(
     weights: BlockWeights, x: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
     positions: list[int], overwrite: list[bool] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """A decode step's pre-LN block in one call (lab/kernels/intmm.c says what it computes): x [B, D],
-    the stream of B rows of one token in ``weights.dtype``, each row's attention over its own caches
-    at its position (as ``attend_rows``), ``overwrite[b]``: row b hands on attn_out + mlp_out. [B, D]."""
+    """A pre-LN block in one call (lab/kernels/intmm.c says what it computes): x [B, D], the stream of
+    B rows of one token in ``weights.dtype``, each row's attention over its caches at its position (as
+    ``attend_rows``; the tokens of one prompt are rows sharing a cache at consecutive positions),
+    ``overwrite[b]``: row b hands on attn_out + mlp_out. [B, D]."""
     B, D = x.shape
     if x.dtype is not weights.dtype or not x.is_contiguous():
         raise ValueError(f"block_rows: x dense {weights.dtype} [B, D], got {x.dtype} {list(x.shape)}")
@@ -383,8 +386,10 @@ def block_rows(
     status = _function("block_rows")(
         ctypes.byref(weights.struct), B, bf16, x.data_ptr(), *caches, flags, out.data_ptr()
     )
-    if status != 0:
+    if status == -1:
         raise MemoryError(f"block_rows: no memory for the activations of {B} rows")
+    if status != 0:
+        raise ValueError(f"block_rows: weights the kernel does not take (status {status})")
     return out
 
 

@@ -187,3 +187,23 @@ def test_changed_weights_are_read_again_and_copies_work(saved):
     with torch.inference_mode():
         logits = decode_rows(model, [Decoder(model, None, max_len=8)], [3])[0]
     assert logits.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["w4a8", "w8a8"])
+def test_a_prompt_runs_in_one_call_a_row_per_token_and_chunks_change_no_bit(saved, block_calls, kind):
+    """With integer products a prompt's tokens are rows of one call sharing the sequence's cache,
+    each attending causally: the logits are the modules' up to rounding, and a prompt fed in chunks
+    gives bit for bit the stream and logits it gives fed at once (each row is computed alone)."""
+    model = load_model(saved, kind)
+    prompt = list(range(40, 57))
+    whole = Decoder(model, None, max_len=32)
+    stream = whole.extend(prompt)
+    assert len(block_calls) == model.config.n_layer
+    chunked = Decoder(model, None, max_len=32)
+    pieces = [chunked.extend(prompt[:5]), chunked.extend(prompt[5:6]), chunked.extend(prompt[6:])]
+    assert torch.equal(torch.cat(pieces), stream)
+    assert torch.equal(whole.step(9)[0], chunked.step(9)[0])
+    for block in model.blocks:
+        block.__class__ = Block
+    modules = Decoder(model, None, max_len=32)
+    torch.testing.assert_close(modules.extend(prompt).float(), stream.float(), rtol=5e-2, atol=5e-2)

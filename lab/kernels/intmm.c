@@ -654,13 +654,14 @@ int w8a8_mm(const void *x, int64_t M, int64_t K, int bf16, const int8_t *values,
 /* Decode attention: each row's newest token over its own cache, every row of a block in one call.
  *
  * Row b's query, key and value are qkv[b] = (q, k, v), D = H * Dh each, head h at h * Dh. Its cache
- * is its own pair of tensors [H, t_max[b], Dh] (a decoder's KVCache layer): k and v are written at
- * position pos[b], then the query reads positions 0 .. pos[b]:
+ * is a pair of tensors [H, t_max[b], Dh] (a decoder's KVCache layer): every row's k and v are written
+ * at position pos[b], then each query reads positions 0 .. pos[b] of its cache:
  *   y[b, h] = sum_s softmax_s(q_h . k_s / sqrt(Dh)) v_s
  * written at y[b, h * Dh] ([B, D]: the heads already side by side, as c_proj reads them). Sums and
  * the softmax in float32; bf16 caches are read and written as they are and y is rounded once.
- * One (row, head) per task, each summed in the same order whatever rows share the call, so a row's
- * result does not depend on the others (batch invariance). torch's scaled_dot_product_attention
+ * Rows may share a cache at consecutive positions (a prompt's tokens): with every key written before
+ * any query reads, each attends causally. One (row, head) per task, each summed in the same order
+ * whatever rows share the call, so a row's result does not depend on the others (batch invariance). torch's scaled_dot_product_attention
  * costs more to call than the work at these sizes (more in bf16; docs/inference.md), once per row
  * and block: most of it fixed cost, a share of the step that the products left behind. */
 
@@ -704,14 +705,13 @@ static inline __m256 exp_lanes(__m256 x) {
 }
 
 static inline __attribute__((always_inline)) void attend_head(const int BF16, int64_t D, int64_t Dh,
-                                                              const void *qkv, void *k_cache, void *v_cache,
+                                                              const void *qkv, const void *k_cache,
+                                                              const void *v_cache,
                                                               int64_t t_max, int64_t pos, int64_t h, void *y,
                                                               float *scratch) {
   const size_t width = BF16 ? 2 : 4;
-  char *k_head = (char *)k_cache + (size_t)(h * t_max * Dh) * width; /* [t_max, Dh] */
-  char *v_head = (char *)v_cache + (size_t)(h * t_max * Dh) * width;
-  memcpy(k_head + (size_t)(pos * Dh) * width, (const char *)qkv + (size_t)(D + h * Dh) * width, (size_t)Dh * width);
-  memcpy(v_head + (size_t)(pos * Dh) * width, (const char *)qkv + (size_t)(2 * D + h * Dh) * width, (size_t)Dh * width);
+  const char *k_head = (const char *)k_cache + (size_t)(h * t_max * Dh) * width; /* [t_max, Dh] */
+  const char *v_head = (const char *)v_cache + (size_t)(h * t_max * Dh) * width;
   const int64_t S = pos + 1, S8 = (S + 7) / 8 * 8;
   float *q = scratch, *out = scratch + Dh, *weights = scratch + 2 * Dh; /* [Dh], [Dh], [S rounded up to 8] */
   const float scale = 1.f / sqrtf((float)Dh);
@@ -766,7 +766,15 @@ int attend_rows(int64_t B, int64_t H, int64_t Dh, int bf16, const void *qkv, voi
   const int64_t D = H * Dh;
   const size_t width = bf16 ? 2 : 4;
   int64_t pairs = 0;
-  for (int64_t b = 0; b < B; ++b) pairs += H * (pos[b] + 1);
+  for (int64_t b = 0; b < B; ++b) { /* every row's key and value first: rows may share a cache */
+    pairs += H * (pos[b] + 1);
+    const char *row = (const char *)qkv + (size_t)(b * 3 * D) * width;
+    for (int64_t h = 0; h < H; ++h) {
+      const size_t at = (size_t)((h * t_max[b] + pos[b]) * Dh) * width, head = (size_t)Dh * width;
+      memcpy((char *)k_caches[b] + at, row + (size_t)(D + h * Dh) * width, head);
+      memcpy((char *)v_caches[b] + at, row + (size_t)(2 * D + h * Dh) * width, head);
+    }
+  }
   int status = 0;
 #pragma omp parallel for schedule(static) reduction(min : status) if (pairs >= ATTEND_PARALLEL_PAIRS)
   for (int64_t task = 0; task < B * H; ++task) {
@@ -872,27 +880,46 @@ static inline void put(void *y, int bf16, int64_t i, float value) {
     ((float *)y)[i] = value;
 }
 
+/* y[i .. i + 7] = v, y float32 or (BF16) bf16 rounded as float_to_bf16 rounds: to nearest even, a NaN
+ * to 0x7FC0. */
+static inline __attribute__((always_inline)) void narrow_lanes(const int BF16, void *y, int64_t i, __m256 v) {
+  if (!BF16) {
+    _mm256_storeu_ps((float *)y + i, v);
+    return;
+  }
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i halves = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+  halves = _mm256_blendv_epi8(halves, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
+  _mm_storeu_si128((__m128i *)((uint16_t *)y + i), packed);
+}
+
+/* y [n] = a + b, each sum rounded once (bf16), as torch adds. n a multiple of 8. */
+static void add_lanes(const int BF16, const void *a, const void *b, int64_t n, void *y) {
+  for (int64_t i = 0; i < n; i += 8) narrow_lanes(BF16, y, i, _mm256_add_ps(widen_lanes(BF16, a, i), widen_lanes(BF16, b, i)));
+}
+
 /* y [B, D] = LayerNorm(x [B, D]) * weight + bias, each row's mean and variance in float32, eight lanes
- * at a time in a fixed order. */
-static void layer_norm_rows(const void *x, int64_t B, int64_t D, int bf16, const void *weight, const void *bias,
-                            float eps, void *y) {
+ * at a time in a fixed order. D a multiple of 8. */
+static inline __attribute__((always_inline)) void layer_norm_rows(const int BF16, const void *x, int64_t B, int64_t D,
+                                                                  const void *weight, const void *bias, float eps,
+                                                                  void *y) {
   for (int64_t b = 0; b < B; ++b) {
     const int64_t row = b * D;
     __m256 lanes = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8) lanes = _mm256_add_ps(lanes, bf16 ? widen_lanes(1, x, row + d) : widen_lanes(0, x, row + d));
-    float total = sum_lanes(lanes);
-    for (; d < D; ++d) total += load(x, bf16, row + d);
-    const float mean = total / (float)D;
-    float squares = 0.f;
-    for (d = 0; d < D; ++d) {
-      const float centred = load(x, bf16, row + d) - mean;
-      squares += centred * centred;
+    for (int64_t d = 0; d < D; d += 8) lanes = _mm256_add_ps(lanes, widen_lanes(BF16, x, row + d));
+    const __m256 mean = _mm256_set1_ps(sum_lanes(lanes) / (float)D);
+    lanes = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 centred = _mm256_sub_ps(widen_lanes(BF16, x, row + d), mean);
+      lanes = _mm256_fmadd_ps(centred, centred, lanes);
     }
-    const float rstd = 1.f / sqrtf(squares / (float)D + eps);
-    for (d = 0; d < D; ++d) {
-      const float value = (load(x, bf16, row + d) - mean) * rstd * load(weight, bf16, d);
-      put(y, bf16, row + d, bias != NULL ? value + load(bias, bf16, d) : value);
+    const __m256 rstd = _mm256_set1_ps(1.f / sqrtf(sum_lanes(lanes) / (float)D + eps));
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 scaled = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(widen_lanes(BF16, x, row + d), mean), rstd),
+                                          widen_lanes(BF16, weight, d));
+      narrow_lanes(BF16, y, row + d, bias != NULL ? _mm256_add_ps(scaled, widen_lanes(BF16, bias, d)) : scaled);
     }
   }
 }
@@ -905,54 +932,64 @@ static inline __m256 tanh_lanes(__m256 u) {
   return _mm256_or_ps(magnitude, _mm256_and_ps(u, sign_bit));
 }
 
-/* x [n] = GELU(x), the tanh approximation GPT-2 was trained with, in place. */
-static void gelu_rows(void *x, int64_t n, int bf16) {
+/* x [n] = GELU(x), the tanh approximation GPT-2 was trained with, in place. n a multiple of 8. */
+static inline __attribute__((always_inline)) void gelu_lanes(const int BF16, void *x, int64_t n) {
   const __m256 kappa = _mm256_set1_ps(0.044715f), beta = _mm256_set1_ps(0.7978845608028654f);
   const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
-  float values[8];
   for (int64_t i = 0; i < n; i += 8) {
-    const int64_t count = n - i < 8 ? n - i : 8;
-    for (int64_t j = 0; j < count; ++j) values[j] = load(x, bf16, i + j);
-    for (int64_t j = count; j < 8; ++j) values[j] = 0.f;
-    const __m256 v = _mm256_loadu_ps(values);
+    const __m256 v = widen_lanes(BF16, x, i);
     const __m256 inner = _mm256_mul_ps(beta, _mm256_fmadd_ps(_mm256_mul_ps(kappa, v), _mm256_mul_ps(v, v), v));
-    _mm256_storeu_ps(values, _mm256_mul_ps(_mm256_mul_ps(half, v), _mm256_add_ps(one, tanh_lanes(inner))));
-    for (int64_t j = 0; j < count; ++j) put(x, bf16, i + j, values[j]);
+    narrow_lanes(BF16, x, i, _mm256_mul_ps(_mm256_mul_ps(half, v), _mm256_add_ps(one, tanh_lanes(inner))));
   }
 }
 
-/* out [B, D] from the stream x [B, D] of B rows, one token each, through the block `w`; row b's
- * attention over its caches k_caches[b], v_caches[b] ([H, t_max[b], Dh]) at pos[b], as attend_rows.
- * overwrite [B] (or NULL): the rows whose output is attn_out + mlp_out. bf16: x, out and the caches
- * bf16, else float32. Returns 0, -1 when there is no memory, -2 for a product of no known kind. */
-int block_rows(const struct block_weights *w, int64_t B, int bf16, const void *x, void *const *k_caches,
-               void *const *v_caches, const int64_t *t_max, const int64_t *pos, const uint8_t *overwrite,
-               void *out) {
+/* The block's work between its products and attention, for x, its intermediates and out in float32 or
+ * (BF16) bf16: a constant in each call, so the lanes' loads and stores need no branch. */
+static inline __attribute__((always_inline)) int block_rows_of(const int BF16, const struct block_weights *w,
+                                                               int64_t B, const void *x, void *const *k_caches,
+                                                               void *const *v_caches, const int64_t *t_max,
+                                                               const int64_t *pos, const uint8_t *overwrite,
+                                                               void *out) {
   const int64_t D = w->n_head * w->head_dim;
-  const size_t width = bf16 ? 2 : 4, row = (size_t)(B * D) * width;
+  const size_t row = (size_t)(B * D) * (BF16 ? 2 : 4);
   char *h = malloc(row * 12); /* h, qkv (3), attended, attn_out, mid, hidden (4), mlp_out: [B, D] units */
   if (h == NULL) return -1;
   char *qkv = h + row, *attended = qkv + 3 * row, *attn_out = attended + row, *mid = attn_out + row;
   char *hidden = mid + row, *mlp_out = hidden + 4 * row;
   const float eps = (float)w->eps;
-  layer_norm_rows(x, B, D, bf16, w->ln_1_weight, w->ln_1_bias, eps, h);
-  int status = linear_rows(&w->c_attn, h, B, bf16, qkv);
-  if (status == 0) status = attend_rows(B, w->n_head, w->head_dim, bf16, qkv, k_caches, v_caches, t_max, pos, attended);
-  if (status == 0) status = linear_rows(&w->attn_proj, attended, B, bf16, attn_out);
+  layer_norm_rows(BF16, x, B, D, w->ln_1_weight, w->ln_1_bias, eps, h);
+  int status = linear_rows(&w->c_attn, h, B, BF16, qkv);
+  if (status == 0)
+    status = attend_rows(B, w->n_head, w->head_dim, BF16, qkv, k_caches, v_caches, t_max, pos, attended);
+  if (status == 0) status = linear_rows(&w->attn_proj, attended, B, BF16, attn_out);
   if (status == 0) {
-    for (int64_t i = 0; i < B * D; ++i) put(mid, bf16, i, load(x, bf16, i) + load(attn_out, bf16, i));
-    layer_norm_rows(mid, B, D, bf16, w->ln_2_weight, w->ln_2_bias, eps, h);
-    status = linear_rows(&w->c_fc, h, B, bf16, hidden);
+    add_lanes(BF16, x, attn_out, B * D, mid);
+    layer_norm_rows(BF16, mid, B, D, w->ln_2_weight, w->ln_2_bias, eps, h);
+    status = linear_rows(&w->c_fc, h, B, BF16, hidden);
   }
   if (status == 0) {
-    gelu_rows(hidden, 4 * B * D, bf16);
-    status = linear_rows(&w->mlp_proj, hidden, B, bf16, mlp_out);
+    gelu_lanes(BF16, hidden, 4 * B * D);
+    status = linear_rows(&w->mlp_proj, hidden, B, BF16, mlp_out);
   }
   if (status == 0)
     for (int64_t b = 0; b < B; ++b) {
+      const size_t at = (size_t)(b * D) * (BF16 ? 2 : 4);
       const char *kept = overwrite != NULL && overwrite[b] ? attn_out : mid;
-      for (int64_t i = b * D; i < (b + 1) * D; ++i) put(out, bf16, i, load(kept, bf16, i) + load(mlp_out, bf16, i));
+      add_lanes(BF16, kept + at, mlp_out + at, D, out + at);
     }
   free(h);
   return status;
+}
+
+/* out [B, D] from the stream x [B, D] of B rows of one token each through the block `w`: row b's
+ * attention over its caches k_caches[b], v_caches[b] ([H, t_max[b], Dh]) at pos[b], as attend_rows
+ * (rows of one prompt share a cache at consecutive positions). overwrite [B] (or NULL): the rows whose
+ * output is attn_out + mlp_out. bf16: x, out and the caches bf16, else float32. Returns 0, -1 when
+ * there is no memory, -2 for a product of no known kind, -3 for a width D that is no multiple of 8. */
+int block_rows(const struct block_weights *w, int64_t B, int bf16, const void *x, void *const *k_caches,
+               void *const *v_caches, const int64_t *t_max, const int64_t *pos, const uint8_t *overwrite,
+               void *out) {
+  if ((w->n_head * w->head_dim) % 8) return -3;
+  if (bf16) return block_rows_of(1, w, B, x, k_caches, v_caches, t_max, pos, overwrite, out);
+  return block_rows_of(0, w, B, x, k_caches, v_caches, t_max, pos, overwrite, out);
 }
