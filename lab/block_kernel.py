@@ -205,3 +205,12 @@ def use_block_kernels(model: GPT) -> GPT:
         elif type(module) is Block:
             module.__class__ = KernelBlock
     return model
+
+
+def without_block_calls(model: GPT) -> GPT:
+    """``model``'s blocks back to their modules' forward, their attention keeping the kernel, in place:
+    the baseline that ``scripts/bench_decode.py`` times the block in one call against."""
+    for module in model.modules():
+        if type(module) is KernelBlock:
+            module.__class__ = Block
+    return model

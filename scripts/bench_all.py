@@ -71,6 +71,10 @@ def decode_rows(decode: dict) -> list[tuple[str, str, str]]:
             torch_ms = ms[f"ours {dtype}, torch's kernels"]
             shown = f"{against_torch[dtype]:.2f} (torch's: {torch_ms:.1f} ms/token)"
             rows.append((f"decode: ours {dtype}, lab.intmm's kernels / torch's", shown, ""))
+        if dtype in (against_modules := decode.get("block_calls_over_modules", {})):
+            modules_ms = ms[f"ours {dtype}, blocks through modules"]
+            shown = f"{against_modules[dtype]:.2f} (modules: {modules_ms:.1f} ms/token)"
+            rows.append((f"decode: ours {dtype}, each block in one call / through its modules", shown, ""))
         compiled = decode.get("compiled_over_eager", {})
         if dtype in compiled:
             shown = f"{compiled[dtype]:.2f} ({ms[f'ours {dtype} compiled']:.1f} ms/token)"

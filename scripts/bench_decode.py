@@ -13,7 +13,8 @@ shared with other jobs slows all of them alike. Reports:
   weight-only int8 and int4 weights, and int8 and int4 weights times int8 activations (w8a8, w4a8;
   ``lab.quantize``); fp32, bf16 and w4a8 also with torch's kernels (``load_model(kernels=False)``:
   torch's products for the float weights, torch's attention for all three), the baseline of
-  lab.intmm's;
+  lab.intmm's; fp32, bf16, w8a8 and w4a8 also with each block through its modules
+  (``lab.block_kernel.without_block_calls``), the baseline of the block in one call;
 - the bandwidth bound: the weight bytes one token reads / the best read bandwidth measured here on a
   buffer of the same size, read again and again as decoding does (where the last-level cache is about
   as large as the weights, that is the cache's bandwidth more than the memory's);
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from lab import fast, flags, tokens
+from lab.block_kernel import without_block_calls
 from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
 from lab.decode import greedy_ms_per_token, stability
@@ -54,6 +56,9 @@ from lab.weights import BUILTIN_MODELS, builtin_source, load_model
 
 LOW_PRECISION = ("bfloat16", "int8", "w8a8", "int4", "w4a8")
 """Weights besides fp32 that decoding is measured with (lab.quantize)."""
+MODULE_BLOCK_DTYPES = ("float32", "bfloat16", "w8a8", "w4a8")
+"""Also timed with each block through its modules (``lab.block_kernel.without_block_calls``): the
+baseline of the block in one call."""
 TORCH_KERNEL_DTYPES = ("float32", "bfloat16", "w4a8")
 """Also timed with torch's kernels (``load_model(kernels=False)``): the baseline of lab.intmm's float
 products (lab.float_kernels) and decode steps' blocks in one call each (lab.block_kernel)."""
@@ -215,11 +220,13 @@ def decode_ms(
     rounds: int,
     compiled: dict[str, GPT],
     torch_kernels: dict[str, GPT],
+    module_blocks: dict[str, GPT],
 ) -> tuple[dict, float]:
     """ms/token of every configuration (transformers fp32, ours in each dtype, ours fp32 with the adaptive
     check after every block and with k blocks skipped, each of ``compiled``: ours in that dtype
-    through lab.fast, and each of ``torch_kernels``: ours in that dtype without lab.intmm's float
-    products and attention), the median over ``rounds`` rounds each timing every configuration once;
+    through lab.fast, each of ``torch_kernels``: ours in that dtype without lab.intmm's float
+    products and attention, and each of ``module_blocks``: ours with each block through its modules
+    rather than in one call), the median over ``rounds`` rounds each timing every configuration once;
     and the largest logit difference between transformers and ours."""
     ours = models["float32"]
     hf = hf_twin(ours)
@@ -239,6 +246,9 @@ def decode_ms(
         configs[f"ours {dtype} compiled"] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
     for dtype, model in torch_kernels.items():
         name = f"ours {dtype}, torch's kernels"
+        configs[name] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
+    for dtype, model in module_blocks.items():
+        name = f"ours {dtype}, blocks through modules"
         configs[name] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
     ms = {name: statistics.median(values) for name, values in interleaved(configs, rounds).items()}
     ms["ours float32 skip 0"] = ms["ours float32"]
@@ -348,7 +358,10 @@ def main(
         torch_kernels = {
             dtype: load_model("gpt2-random", dtype, kernels=False) for dtype in TORCH_KERNEL_DTYPES
         }
-        ms, diff = decode_ms(models, prompt, tokens, rounds, compiled, torch_kernels)
+        module_blocks = {
+            dtype: without_block_calls(load_model("gpt2-random", dtype)) for dtype in MODULE_BLOCK_DTYPES
+        }
+        ms, diff = decode_ms(models, prompt, tokens, rounds, compiled, torch_kernels, module_blocks)
         n = ours.config.n_layer
         results = {
             "machine": platform.processor() or platform.machine(),
@@ -361,6 +374,10 @@ def main(
             "ratio_to_hf_fp32": {dtype: ms[f"ours {dtype}"] / ms["transformers fp32"] for dtype in models},
             "compiled_over_eager": {
                 dtype: ms[f"ours {dtype} compiled"] / ms[f"ours {dtype}"] for dtype in compiled
+            },
+            "block_calls_over_modules": {
+                dtype: ms[f"ours {dtype}"] / ms[f"ours {dtype}, blocks through modules"]
+                for dtype in module_blocks
             },
             "lab_kernels_over_torch_kernels": {
                 dtype: ms[f"ours {dtype}"] / ms[f"ours {dtype}, torch's kernels"] for dtype in torch_kernels
