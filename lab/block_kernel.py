@@ -14,12 +14,13 @@ with the same parameters, state dict and hook points as the modules they replace
   attending causally), go through the whole block in one call, ``lab.intmm.block_rows``:
   the pre-LN block (GPT-2's) with products lab.intmm computes (float32 and bf16 weights, w4a8, w8a8),
   each intermediate rounded where torch's ops round it. Each row is computed on its own, so a row's
-  result is the one it gets alone (batch invariance), and a prompt's the same whatever chunks it is
-  fed in. Float products take it at one row, or any number under ``lab.rows.rows_alone``, as
-  ``lab.float_kernels`` does (a float prompt keeps torch's matrix-matrix products); torch's int4
-  and int8 kernels, other norms, training, gradients, ``torch.compile``, and any step while a module
-  of the block is hooked keep the modules' forward, which computes the same up to the last bits of
-  a LayerNorm's and a GELU's arithmetic.
+  result is the one it gets alone (batch invariance), and a prompt of integer weights gets the same
+  whatever chunks it is fed in. Float products take it at one row, or any number under
+  ``lab.rows.rows_alone``, as ``lab.float_kernels`` does, and a sequence's tokens up to
+  ``SHORT_RUN`` (a longer float prompt keeps torch's matrix-matrix products); torch's int4 and int8
+  kernels, other norms, training, gradients, ``torch.compile``, and any step while a module of the
+  block is hooked keep the modules' forward, which computes the same up to the last bits of a
+  LayerNorm's and a GELU's arithmetic.
 - ``KernelAttention`` is a ``lab.model.CausalSelfAttention`` whose rows over their own caches
   (``CausalSelfAttention.attend_rows``) go to ``lab.intmm.attend_rows``, for the blocks that keep the
   modules' forward: one call writes every row's key and value and attends, each (row, head) summed
@@ -39,6 +40,10 @@ from lab.float_kernels import KernelLinear
 from lab.model import GPT, Block, CausalSelfAttention, LayerCache
 from lab.quantize import QuantizedLinear
 from lab.rows import taking_rows_alone
+
+SHORT_RUN = 8
+"""A sequence's tokens up to this many (a speculation round's verification: its drafts and one more)
+take the call with float products too; a longer prompt keeps torch's matrix-matrix products."""
 
 
 def uses_block_kernels(device: torch.device | str) -> bool:
@@ -164,7 +169,7 @@ class KernelBlock(Block):
             caches, positions = [cache] * T, list(range(pos, pos + T))  # a sequence's tokens, a row each
         else:
             return super().forward(x, cache, pos, overwrite)
-        weights = self._kernel_weights(x, B * T)
+        weights = self._kernel_weights(x, B * T, sequence=not isinstance(cache, list))
         if weights is None:
             return super().forward(x, cache, pos, overwrite)
         if isinstance(overwrite, torch.Tensor):
@@ -175,19 +180,25 @@ class KernelBlock(Block):
         out = intmm.block_rows(weights, x.reshape(B * T, D), k_caches, v_caches, positions, flags)  # [B*T, D]
         return out.view(B, T, D)
 
-    def _kernel_weights(self, x: torch.Tensor, rows: int) -> intmm.BlockWeights | None:
-        """The block's weights for ``lab.intmm.block_rows`` when it takes these ``rows``, else None."""
+    def held(self) -> _Weights:
+        """The block's weights as lab.intmm reads them, built again when its modules or tensors changed."""
+        held = self.__dict__.get("_held")
+        if held is None or not held.current(self):
+            held = self.__dict__["_held"] = _Weights(self)  # in __dict__: not a submodule, not state
+        return held
+
+    def _kernel_weights(self, x: torch.Tensor, rows: int, sequence: bool) -> intmm.BlockWeights | None:
+        """The block's weights for ``lab.intmm.block_rows`` when it takes these ``rows`` (``sequence``:
+        one sequence's tokens), else None."""
         if self.training or torch.compiler.is_compiling() or x.device.type != "cpu":
             return None
         if torch.is_grad_enabled() and (x.requires_grad or self.ln_1.weight.requires_grad):
             return None  # the kernels have no backward
-        held = self.__dict__.get("_held")
-        if held is None or not held.current(self):
-            held = self.__dict__["_held"] = _Weights(self)  # in __dict__: not a submodule, not state
+        held = self.held()
         weights = held.weights
         if weights is None or x.dtype is not weights.dtype:
             return None
-        if held.floats and rows > 1 and not taking_rows_alone():
+        if held.floats and rows > (SHORT_RUN if sequence else 1) and not taking_rows_alone():
             return None  # torch's matrix-matrix product for several rows, as lab.float_kernels has it
         if _global_forward_hooks or _global_forward_pre_hooks:
             return None

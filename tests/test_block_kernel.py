@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lab import intmm
-from lab.block_kernel import KernelBlock
+from lab.block_kernel import SHORT_RUN, KernelBlock
 from lab.decode import Decoder, decode_rows
 from lab.hooks import capture
 from lab.model import Block, Linear
@@ -114,14 +114,18 @@ def test_several_float_rows_share_torchs_product_unless_rows_alone(saved, block_
 def test_hooks_prompts_gradients_and_training_keep_the_modules(saved, block_calls):
     """A block with any module hooked (a hook point, a norm, through lab.hooks or torch's own
     hooks, a global hook) runs its modules, so the hooks see what they always saw; the other blocks
-    keep the call. So do a prompt's positions, anything that needs gradients and training mode."""
+    keep the call. So do a float prompt longer than a short run, anything that needs gradients and
+    training mode."""
     model = load_model(saved, "float32")
     L = model.config.n_layer
-    decoder = Decoder(model, None, max_len=32)
-    decoder.prefill([1, 2, 3, 4])
+    decoder = Decoder(model, None, max_len=40)
+    decoder.prefill(list(range(1, SHORT_RUN + 2)))  # longer than a short run: torch's products
     assert block_calls == []
     decoder.step(5)
     assert len(block_calls) == L
+    decoder.extend([1, 2, 3])  # a short run of the sequence (a speculation round's verification)
+    assert len(block_calls) == 2 * L
+    block_calls[L:] = []
     with capture(model, ["blocks.1.resid_mid", "blocks.2.mlp.hidden"]) as seen:
         decoder.step(6)
     assert seen["blocks.1.resid_mid"].shape == (1, 1, 64) and len(block_calls) == 2 * L - 2
