@@ -5,8 +5,8 @@ closed-loop streaming clients on the OpenAI completions route of each (``scripts
 Each round runs ``clients`` closed-loop clients, each sending ``requests`` streamed completions of
 ``max_tokens`` tokens (``ignore_eos``, greedy) after a prompt of ``prompt_tokens`` random token ids
 (a fresh prompt per request, so llama-server's per-slot prompt cache has nothing to reuse), then
-``lone`` requests one at a time. The two servers run side by side and idle while the other is
-measured; rounds alternate between them, so drift and load fall on both alike.
+``lone`` requests one at a time, of fresh prompts too. The two servers run side by side and idle
+while the other is measured; rounds alternate between them, so drift and load fall on both alike.
 """
 
 from __future__ import annotations
@@ -72,11 +72,15 @@ async def closed_loop(url: str, clients: int, requests: int, prompt_tokens: int,
     """``clients`` clients, each sending ``requests`` completions back to back: requests per second,
     and every request's timings."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(50257) for _ in range(prompt_tokens)] for _ in range(clients * requests)]
+    # fresh prompts for the warm-up and the lone requests too: one already sent would find its keys
+    # and values in a llama-server slot's prompt cache and skip its prefill
+    count = clients * requests + 4
+    fresh_prompts = [[rng.randrange(50257) for _ in range(prompt_tokens)] for _ in range(count)]
+    warm_up, lone_prompts, prompts = fresh_prompts[0], fresh_prompts[1:4], fresh_prompts[4:]
     # a connection per request: llama-server may close a kept-alive one as the next request goes out
     fresh = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=300, limits=fresh) as http:
-        await completion(http, url, prompts[0], 2)  # warm: first-call allocations
+        await completion(http, url, warm_up, 2)  # warm: first-call allocations
 
         async def client(number: int) -> list[dict]:
             own = prompts[number::clients]
@@ -86,7 +90,7 @@ async def closed_loop(url: str, clients: int, requests: int, prompt_tokens: int,
         done = await asyncio.gather(*(client(n) for n in range(clients)))
         wall = time.perf_counter() - start
         replies = [reply for replies in done for reply in replies]
-        lone = [await completion(http, url, prompt, max_tokens) for prompt in prompts[:3]]
+        lone = [await completion(http, url, prompt, max_tokens) for prompt in lone_prompts]
     return {"requests_per_s": len(replies) / wall, "replies": replies, "lone": lone}
 
 
