@@ -125,7 +125,7 @@ class _Weights:
         self.addresses = _addresses(self.modules)
         self.hookable = tuple(block.modules())
         self.weights: intmm.BlockWeights | None = None
-        self.floats = False  # float products: one row, or rows alone (lab.float_kernels' rule)
+        self.floats = False  # float products: one row, rows alone, or a short run (KernelBlock)
         products = [_product(linear) for linear in self.modules[:4]]
         norms = self.modules[4:]
         if None in products or block.norm != "pre" or any(type(norm) is not nn.LayerNorm for norm in norms):
