@@ -38,7 +38,7 @@ from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_h
 from lab import intmm
 from lab.float_kernels import KernelLinear
 from lab.model import GPT, Block, CausalSelfAttention, LayerCache
-from lab.quantize import QuantizedLinear
+from lab.quantize import INTEGER_PRODUCTS, QuantizedLinear
 from lab.rows import taking_rows_alone
 
 SHORT_RUN = 8
@@ -75,10 +75,8 @@ class KernelAttention(CausalSelfAttention):
 
 def _product(linear: nn.Module) -> intmm.Product | None:
     """``linear`` as a product of ``lab.intmm.block_rows`` (None: one it does not compute)."""
-    if type(linear) is QuantizedLinear and linear.kind in ("w4a8", "w8a8"):
-        buffers = linear._buffers
-        names = ("weight_w4", "scales_zeros") if linear.kind == "w4a8" else ("weight_int8", "scales")
-        return linear.kind, tuple(buffers[name] for name in names), buffers["bias"], linear.out_features
+    if type(linear) is QuantizedLinear and linear.kind in INTEGER_PRODUCTS:
+        return linear.kind, linear.integer_weights(), linear._buffers["bias"], linear.out_features
     if type(linear) is KernelLinear and linear.weight.dtype in (torch.float32, torch.bfloat16):
         kind = "f32" if linear.weight.dtype is torch.float32 else "bf16"
         weight = linear.weight.detach().t()  # [Dout, Din], dense: the kernels' layout
@@ -164,12 +162,12 @@ class KernelBlock(Block):
     ) -> torch.Tensor:
         B, T, D = x.shape
         if isinstance(cache, list) and T == 1:  # rows of different sequences, one token each
-            caches, positions = cache, pos
+            caches, positions, sequence = cache, pos, False
         elif isinstance(cache, tuple) and isinstance(pos, int) and B == 1 and cache[0].size(0) == 1:
-            caches, positions = [cache] * T, list(range(pos, pos + T))  # a sequence's tokens, a row each
+            caches, positions, sequence = [cache] * T, list(range(pos, pos + T)), True  # a row per token
         else:
             return super().forward(x, cache, pos, overwrite)
-        weights = self._kernel_weights(x, B * T, sequence=not isinstance(cache, list))
+        weights = self._kernel_weights(x, B * T, sequence)
         if weights is None:
             return super().forward(x, cache, pos, overwrite)
         if isinstance(overwrite, torch.Tensor):

@@ -42,8 +42,10 @@ WeightDtype = Literal["float32", "bfloat16", "float16", "int8", "int4", "w4a8", 
 WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
 QUANTIZED_DTYPES = ("int8", "int4", "w4a8", "w8a8")
 """The dtypes ``quantize`` makes: CPU kernels, bf16 activations between the products."""
-INTEGER_PRODUCTS = ("w4a8", "w8a8")
-"""The quantized dtypes whose products quantize their inputs too: ``lab.intmm``'s kernels."""
+INTEGER_WEIGHTS = {"w4a8": ("weight_w4", "scales_zeros"), "w8a8": ("weight_int8", "scales")}
+"""The quantized dtypes whose products quantize their inputs too (``lab.intmm``'s kernels), and the
+buffers their weights are kept in, in the order the kernel takes them."""
+INTEGER_PRODUCTS = tuple(INTEGER_WEIGHTS)
 
 INT4_GROUP_SIZES = (64, 32)
 """Inputs sharing a scale and zero point, tried in this order (the kernel takes 32, 64, 128 or 256;
@@ -137,13 +139,16 @@ class QuantizedLinear(nn.Module):
         # and a decode step makes 49 of these calls
         buffers = self._buffers
         bias = buffers["bias"]
-        if self.kind == "w4a8":  # lab.intmm reads bf16 as it is and adds the bias before rounding y
-            y = intmm.w4a8_matmul(x2d, buffers["weight_w4"], buffers["scales_zeros"], bias, self.out_features)
-        elif self.kind == "w8a8":
-            y = intmm.w8a8_matmul(x2d, buffers["weight_int8"], buffers["scales"], bias)  # [N, Dout]
+        if self.kind in INTEGER_WEIGHTS:  # lab.intmm reads bf16 as it is and adds the bias before rounding y
+            y = intmm.PRODUCTS[self.kind](x2d, self.integer_weights(), bias, self.out_features)  # [N, Dout]
         else:
             y = self._weight_only(x2d.contiguous())  # [N, Dout]
         return y.view(*lead, self.out_features)
+
+    def integer_weights(self) -> tuple[torch.Tensor, ...]:
+        """A w4a8 or w8a8 layer's weights as lab.intmm's product takes them (``INTEGER_WEIGHTS``)."""
+        buffers = self._buffers
+        return tuple(buffers[name] for name in INTEGER_WEIGHTS[self.kind])
 
     def _weight_only(self, x2d: torch.Tensor) -> torch.Tensor:
         """torch's int8 and int4 kernels: x2d [N, Din] bf16, dense -> [N, Dout] bf16."""

@@ -661,9 +661,10 @@ int w8a8_mm(const void *x, int64_t M, int64_t K, int bf16, const int8_t *values,
  * the softmax in float32; bf16 caches are read and written as they are and y is rounded once.
  * Rows may share a cache at consecutive positions (a prompt's tokens): with every key written before
  * any query reads, each attends causally. One (row, head) per task, each summed in the same order
- * whatever rows share the call, so a row's result does not depend on the others (batch invariance). torch's scaled_dot_product_attention
- * costs more to call than the work at these sizes (more in bf16; docs/inference.md), once per row
- * and block: most of it fixed cost, a share of the step that the products left behind. */
+ * whatever rows share the call, so a row's result does not depend on the others (batch invariance).
+ * torch's scaled_dot_product_attention costs more to call than the work at these sizes (more in bf16;
+ * docs/inference.md), once per row and block: most of it fixed cost, a share of the step that the
+ * products left behind. */
 
 /* scores[s] = q . k_s for s in 0..COUNT-1 (COUNT <= 4 keys of Dh, one after another): one chain of
  * multiply-adds per key, so the four proceed at once instead of waiting on each other. */
@@ -873,13 +874,6 @@ static int linear_rows(const struct linear *l, const void *x, int64_t M, int bf1
   return -2;
 }
 
-static inline void put(void *y, int bf16, int64_t i, float value) {
-  if (bf16)
-    ((uint16_t *)y)[i] = float_to_bf16(value);
-  else
-    ((float *)y)[i] = value;
-}
-
 /* y[i .. i + 7] = v, y float32 or (BF16) bf16 rounded as float_to_bf16 rounds: to nearest even, a NaN
  * to 0x7FC0. */
 static inline __attribute__((always_inline)) void narrow_lanes(const int BF16, void *y, int64_t i, __m256 v) {
@@ -897,7 +891,8 @@ static inline __attribute__((always_inline)) void narrow_lanes(const int BF16, v
 
 /* y [n] = a + b, each sum rounded once (bf16), as torch adds. n a multiple of 8. */
 static void add_lanes(const int BF16, const void *a, const void *b, int64_t n, void *y) {
-  for (int64_t i = 0; i < n; i += 8) narrow_lanes(BF16, y, i, _mm256_add_ps(widen_lanes(BF16, a, i), widen_lanes(BF16, b, i)));
+  for (int64_t i = 0; i < n; i += 8)
+    narrow_lanes(BF16, y, i, _mm256_add_ps(widen_lanes(BF16, a, i), widen_lanes(BF16, b, i)));
 }
 
 /* y [B, D] = LayerNorm(x [B, D]) * weight + bias, each row's mean and variance in float32, eight lanes
