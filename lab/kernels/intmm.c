@@ -55,7 +55,14 @@
 #include <string.h>
 
 #define GROUP 64
-/* How far ahead in its weights' stream each kernel asks for the cache line it will read: a decode
+/* A product of at most this many input rows (a decode step's) computes one output at a time where a
+ * kernel otherwise takes tiles of 4 (AVX-512 w8a8, the float products): its thread reads one weight
+ * row after another, a single stream the hardware prefetcher follows, where a tile reads 4 rows side
+ * by side; on a Zen 4 EPYC a decode step's products ran 1.4-1.6x faster so (docs/inference.md). With
+ * more rows a product is bound by its arithmetic, and a tile's one load of the inputs for 4 outputs
+ * pays. Each output's sum is the same either way. */
+#define NARROW_ROWS 4
+/* How far ahead in its weights' stream each integer kernel asks for the cache line it will read: a decode
  * step reads every weight once, from L3 or memory, and the hardware prefetcher alone left the
  * products waiting on it (docs/inference.md has the measurement). */
 #define PREFETCH_BYTES 8192
@@ -403,6 +410,11 @@ static AVX512 void w4a8_avx512(const struct product *p) {
 }
 
 static AVX512 void w8a8_avx512(const struct product *p) {
+  if (p->M <= NARROW_ROWS) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < p->N; ++n) EACH_ROW(w8a8_tile, 1, n, p);
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t n0 = 0; n0 < p->N; n0 += 4) EACH_TILE(w8a8_tile, n0, p);
 }
@@ -431,8 +443,11 @@ int intmm_isa(int request) {
  *
  * torch's matrix-vector products stream these at a fraction of the memory's rate (bf16: widening
  * the weights; float32 from memory rather than cache: docs/inference.md); these stream them at it.
- * An output tile is 4 outputs of one input row at a time; the tile's weights (4 * K values) stay in
- * the first-level cache across the input rows, so they stream from memory once per call. Each
+ * A decode step's rows take one output at a time (NARROW_ROWS), more rows a tile of 4 outputs of one
+ * input row at a time; the weights of an output or a tile (K or 4 * K values) stay in the first-level
+ * cache across the input rows, so they stream from memory once per call. They take no software
+ * prefetch: one weight row after another is a stream the hardware prefetcher follows, and asking
+ * for lines ahead of it slowed these products on a Zen 4 EPYC. Each
  * output's sum runs over the inputs in a fixed order (vector lanes, then one fixed reduction of the
  * lanes, then the inputs past the last full vector), whatever M is: a row's result does not depend
  * on the others. Two versions each: AVX-512 (bf16: AVX-512 BF16's dpbf16ps, 32 products summed in
@@ -477,11 +492,9 @@ static inline AVX512_BF16 __attribute__((always_inline)) void float_tile_avx512(
         const int64_t at = (n0 + c) * K + k;
         if (BF16) {
           const uint16_t *w = (const uint16_t *)p->weights + at;
-          if (m == 0) _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
           acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)a, (__m512bh)_mm512_loadu_si512(w));
         } else {
           const float *w = (const float *)p->weights + at;
-          if (m == 0) _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
           acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_castsi512_ps(a), acc[c]);
         }
       }
@@ -517,11 +530,9 @@ static inline __attribute__((always_inline)) void float_tile_avx2(const int BF16
         __m256 w;
         if (BF16) {
           const uint16_t *from = (const uint16_t *)p->weights + at;
-          if (m == 0 && k % 32 == 0) _mm_prefetch((const char *)from + PREFETCH_BYTES, _MM_HINT_T0);
           w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)from)), 16));
         } else {
           const float *from = (const float *)p->weights + at;
-          if (m == 0 && k % 16 == 0) _mm_prefetch((const char *)from + PREFETCH_BYTES, _MM_HINT_T0);
           w = _mm256_loadu_ps(from);
         }
         acc[c] = _mm256_fmadd_ps(w, a, acc[c]);
@@ -546,26 +557,26 @@ static inline __attribute__((always_inline)) void float_tile_avx2(const int BF16
     case 1: TILE(BF16, 1, n0, p); break;                                   \
   }
 
-/* One parallel loop per version and weight type, as for the integer products below. */
-static AVX512_BF16 void bf16_avx512(const struct float_product *p) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < p->N; n0 += FLOAT_TILE) EACH_FLOAT_TILE(float_tile_avx512, 1, n0, p);
-}
+/* One parallel loop per version and weight type, as for the integer products above: outputs one at a
+ * time for a decode step's rows (NARROW_ROWS), else in tiles. */
+#define FLOAT_PRODUCT(TILE, BF16, p)                                                    \
+  do {                                                                                  \
+    if ((p)->M <= NARROW_ROWS) {                                                        \
+      _Pragma("omp parallel for schedule(static)")                                      \
+      for (int64_t n = 0; n < (p)->N; ++n) TILE(BF16, 1, n, p);                         \
+    } else {                                                                            \
+      _Pragma("omp parallel for schedule(static)")                                      \
+      for (int64_t n0 = 0; n0 < (p)->N; n0 += FLOAT_TILE) EACH_FLOAT_TILE(TILE, BF16, n0, p); \
+    }                                                                                   \
+  } while (0)
 
-static AVX512_BF16 void f32_avx512(const struct float_product *p) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < p->N; n0 += FLOAT_TILE) EACH_FLOAT_TILE(float_tile_avx512, 0, n0, p);
-}
+static AVX512_BF16 void bf16_avx512(const struct float_product *p) { FLOAT_PRODUCT(float_tile_avx512, 1, p); }
 
-static void bf16_avx2(const struct float_product *p) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < p->N; n0 += FLOAT_TILE) EACH_FLOAT_TILE(float_tile_avx2, 1, n0, p);
-}
+static AVX512_BF16 void f32_avx512(const struct float_product *p) { FLOAT_PRODUCT(float_tile_avx512, 0, p); }
 
-static void f32_avx2(const struct float_product *p) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < p->N; n0 += FLOAT_TILE) EACH_FLOAT_TILE(float_tile_avx2, 0, n0, p);
-}
+static void bf16_avx2(const struct float_product *p) { FLOAT_PRODUCT(float_tile_avx2, 1, p); }
+
+static void f32_avx2(const struct float_product *p) { FLOAT_PRODUCT(float_tile_avx2, 0, p); }
 
 /* x [M, K] in float32, from x as it is (bf16: widened; round_to_bf16: rounded first), into scratch;
  * x itself when nothing changes. NULL when there is no memory. */
