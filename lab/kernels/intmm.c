@@ -58,12 +58,12 @@
 /* A product of at most this many input rows (a decode step's) computes one output at a time where a
  * kernel otherwise takes tiles of 4 (AVX-512 w8a8, the float products): its thread reads one weight
  * row after another, a single stream the hardware prefetcher follows, where a tile reads 4 rows side
- * by side; on a Zen 4 EPYC a decode step's products ran 1.4-1.6x faster so (docs/inference.md). With
- * more rows a product is bound by its arithmetic, and a tile's one load of the inputs for 4 outputs
- * pays. Each output's sum is the same either way. */
+ * by side, and the single stream is the faster (docs/inference.md, "One weight stream per thread").
+ * With more rows a product is bound by its arithmetic, and a tile's one load of the inputs for 4
+ * outputs pays. Each output's sum is the same either way. */
 #define NARROW_ROWS 4
-/* How far ahead in its weights' stream each integer kernel asks for the cache line it will read: a decode
- * step reads every weight once, from L3 or memory, and the hardware prefetcher alone left the
+/* How far ahead in its weights' stream each integer kernel asks for the cache line it will read: a
+ * decode step reads every weight once, from L3 or memory, and the hardware prefetcher alone left the
  * products waiting on it (docs/inference.md has the measurement). */
 #define PREFETCH_BYTES 8192
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
