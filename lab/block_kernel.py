@@ -12,15 +12,15 @@ with the same parameters, state dict and hook points as the modules they replace
 - ``KernelBlock`` is a ``lab.model.Block`` whose rows of one token over their own caches (what
   ``lab.decode.decode_rows`` runs), and a prompt's tokens over its sequence's cache (a row each,
   attending causally), go through the whole block in one call, ``lab.intmm.block_rows``:
-  the pre-LN block (GPT-2's) with products lab.intmm computes (float32 and bf16 weights, w4a8, w8a8),
-  each intermediate rounded where torch's ops round it. Each row is computed on its own, so a row's
-  result is the one it gets alone (batch invariance), and a prompt of integer weights gets the same
-  whatever chunks it is fed in. Float products take it at one row, or any number under
+  the pre-LN block (GPT-2's) with products lab.intmm computes (float32 and bf16 weights, int8, int4,
+  w4a8, w8a8), each intermediate rounded where torch's ops round it. Each row is computed on its own,
+  so a row's result is the one it gets alone (batch invariance), and a prompt of integer weights gets
+  the same whatever chunks it is fed in. Float products take it at one row, or any number under
   ``lab.rows.rows_alone``, as ``lab.float_kernels`` does, and a sequence's tokens up to
-  ``SHORT_RUN`` (a longer float prompt keeps torch's matrix-matrix products); torch's int4 and int8
-  kernels, other norms, training, gradients, ``torch.compile``, and any step while a module of the
-  block is hooked keep the modules' forward, which computes the same up to the last bits of a
-  LayerNorm's and a GELU's arithmetic.
+  ``SHORT_RUN`` (a longer float prompt keeps torch's matrix-matrix products); int4 and int8 where
+  torch's kernels compute them (``QuantizedLinear.kernel``), other norms, training, gradients,
+  ``torch.compile``, and any step while a module of the block is hooked keep the modules' forward,
+  which computes the same up to the last bits of a LayerNorm's and a GELU's arithmetic.
 - ``KernelAttention`` is a ``lab.model.CausalSelfAttention`` whose rows over their own caches
   (``CausalSelfAttention.attend_rows``) go to ``lab.intmm.attend_rows``, for the blocks that keep the
   modules' forward: one call writes every row's key and value and attends, each (row, head) summed
@@ -38,7 +38,7 @@ from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_h
 from lab import intmm
 from lab.float_kernels import KernelLinear
 from lab.model import GPT, Block, CausalSelfAttention, LayerCache
-from lab.quantize import INTEGER_PRODUCTS, QuantizedLinear
+from lab.quantize import QuantizedLinear
 from lab.rows import taking_rows_alone
 
 SHORT_RUN = 8
@@ -75,8 +75,8 @@ class KernelAttention(CausalSelfAttention):
 
 def _product(linear: nn.Module) -> intmm.Product | None:
     """``linear`` as a product of ``lab.intmm.block_rows`` (None: one it does not compute)."""
-    if type(linear) is QuantizedLinear and linear.kind in INTEGER_PRODUCTS:
-        return linear.kind, linear.integer_weights(), linear._buffers["bias"], linear.out_features
+    if type(linear) is QuantizedLinear and linear.kernel is not None:
+        return linear.kernel, linear.kernel_weights(), linear._buffers["bias"], linear.out_features
     if type(linear) is KernelLinear and linear.weight.dtype in (torch.float32, torch.bfloat16):
         kind = "f32" if linear.weight.dtype is torch.float32 else "bf16"
         weight = linear.weight.detach().t()  # [Dout, Din], dense: the kernels' layout

@@ -141,6 +141,8 @@ _W4A8 = _Kernel("w4a8_mm", ("packed", "scales_zeros"), 2, (torch.uint8, torch.bf
 _W8A8 = _Kernel("w8a8_mm", ("values", "scales"), 1, (torch.int8, torch.float32))
 _BF16 = _Kernel("bf16_mm", ("weight",), 1, (torch.bfloat16,), k_multiple=1)
 _F32 = _Kernel("f32_mm", ("weight",), 1, (torch.float32,), k_multiple=1)
+_INT8 = _Kernel("int8_mm", ("values", "scales"), 1, (torch.int8, torch.bfloat16), k_multiple=1)
+_INT4 = _Kernel("int4_mm", ("packed", "scales_zeros"), 2, (torch.uint8, torch.bfloat16), n_multiple=16)
 
 
 def unavailable() -> str | None:
@@ -189,7 +191,7 @@ def _library() -> ctypes.CDLL:
     library.attend_rows.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 6
     library.block_rows.restype = ctypes.c_int
     library.block_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 7
-    for kernel in (_W4A8, _W8A8, _BF16, _F32):
+    for kernel in (_W4A8, _W8A8, _BF16, _F32, _INT8, _INT4):
         function = getattr(library, kernel.name)
         function.restype = ctypes.c_int
         function.argtypes = [
@@ -235,6 +237,27 @@ def w8a8_matmul(
     """x [M, K] times lab.quantize's int8 rows, values [N, K] int8 and scales [N] float32, + bias [N]:
     y [M, N]."""
     return _W8A8(x, (values, scales), bias, values.size(0))
+
+
+def int8_matmul(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] times weight-only int8 rows, values [N, K] int8 and scales [N] bf16 (the weight
+    values * scales, as torch's int8 kernel takes them), + bias [N]: y [M, N], summed in float32 with
+    the inputs as they are. Any K."""
+    return _INT8(x, (values, scales), bias, values.size(0))
+
+
+def int4_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    n: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] times the packed 4-bit weights of ``w4a8_pack`` + bias [N], weight-only: y [M, N],
+    summed in float32 with the inputs as they are (``w4a8_matmul``'s arguments)."""
+    return _INT4(x, (packed, scales_zeros), bias, packed.size(0) if n is None else n)
 
 
 def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -314,7 +337,7 @@ class _BlockWeights(ctypes.Structure):
     ]  # fmt: skip
 
 
-PRODUCTS = {"f32": _F32, "bf16": _BF16, "w4a8": _W4A8, "w8a8": _W8A8}
+PRODUCTS = {"f32": _F32, "bf16": _BF16, "w4a8": _W4A8, "w8a8": _W8A8, "int8": _INT8, "int4": _INT4}
 """The products a block in one call (``block_rows``) can hold, in lab/kernels/intmm.c's order."""
 
 Product = tuple[str, tuple[torch.Tensor, ...], torch.Tensor | None, int]
@@ -341,7 +364,7 @@ class BlockWeights:
         linears, self.tensors = [], []
         for (kind, weights, bias, n), k in zip(products, widths, strict=True):
             PRODUCTS[kind].check(k, weights, n, f"[M, {k}]")
-            wanted = torch.bfloat16 if kind in ("w4a8", "w8a8") else weights[0].dtype
+            wanted = torch.bfloat16 if kind in ("w4a8", "w8a8", "int8", "int4") else weights[0].dtype
             if dtype is not wanted:
                 raise ValueError(f"block_rows: {kind} products with {dtype} activations")
             pointers = [w.data_ptr() for w in weights] + [None] * (2 - len(weights))  # weights, scales

@@ -5,17 +5,23 @@
 
 A decoding step reads every weight once, so its time is the weight bytes over the rate the kernels
 stream them; torch's bf16 matrix-vector kernel is compute-bound on CPUs without AVX512-BF16, so
-bf16 alone saves less time than bytes (docs/inference.md has the rates). torch ships fused
-dequantize-and-multiply kernels for weight-only quantization, the ones that gpt-fast and torchao
-use on the CPU, and this module puts them behind ``lab.model.Linear``'s interface:
+bf16 alone saves less time than bytes (docs/inference.md has the rates). This module puts the
+quantized products behind ``lab.model.Linear``'s interface:
 
-- int8: one symmetric scale per output row (``torch.ops.aten._weight_int8pack_mm``);
-- int4: asymmetric, a scale and a zero point per group of 64 inputs of a row (32 where 64 does not divide)
-  (``torch.ops.aten._weight_int4pack_mm_for_cpu``, weights packed two per byte);
+- int8: one symmetric scale per output row, the activations as they are (weight-only);
+- int4: asymmetric, a scale and a zero point per group of 64 inputs of a row (32 where 64 does not divide),
+  weight-only, packed two per byte;
 - w4a8: int4's weights and groups of 64, each product's input quantized to int8 per group of 64 (one
   scale each) and multiplied in integers (``lab.intmm``, llama.cpp's q4_0 x q8_0 scheme; AVX2 or
   AVX-512 VNNI);
 - w8a8: int8's weights and scales, the inputs quantized as w4a8's (``lab.intmm``, q8_0 x q8_0).
+
+int8 and int4 are computed by ``lab.intmm``'s weight-only products where its kernels build (int4's
+weights in w4a8's layout, its input widths multiples of 64), and elsewhere by the fused
+dequantize-and-multiply kernels torch ships, the ones gpt-fast and torchao use on the CPU
+(``torch.ops.aten._weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``): the same weights, and
+lab.intmm's stream them at the memory's rate where torch's take about twice as long a decode step
+(docs/inference.md).
 
 Every ``Linear`` of the blocks becomes a ``QuantizedLinear`` and the tied unembedding gets a quantized
 copy of the token table (``GPT.read_out``); the embedding lookup keeps the bf16 table. Norms, biases,
@@ -42,10 +48,16 @@ WeightDtype = Literal["float32", "bfloat16", "float16", "int8", "int4", "w4a8", 
 WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
 QUANTIZED_DTYPES = ("int8", "int4", "w4a8", "w8a8")
 """The dtypes ``quantize`` makes: CPU kernels, bf16 activations between the products."""
-INTEGER_WEIGHTS = {"w4a8": ("weight_w4", "scales_zeros"), "w8a8": ("weight_int8", "scales")}
-"""The quantized dtypes whose products quantize their inputs too (``lab.intmm``'s kernels), and the
-buffers their weights are kept in, in the order the kernel takes them."""
-INTEGER_PRODUCTS = tuple(INTEGER_WEIGHTS)
+INTEGER_PRODUCTS = ("w4a8", "w8a8")
+"""The quantized dtypes whose products quantize their inputs too; only ``lab.intmm`` computes them."""
+KERNEL_WEIGHTS = {
+    "w4a8": ("weight_w4", "scales_zeros"),
+    "w8a8": ("weight_int8", "scales"),
+    "int4": ("weight_w4", "scales_zeros"),
+    "int8": ("weight_int8", "scales"),
+}
+"""The buffers a layer's weights are kept in when ``lab.intmm`` computes its product, in the order its
+kernel takes them (``lab.intmm.PRODUCTS`` has the kinds)."""
 
 INT4_GROUP_SIZES = (64, 32)
 """Inputs sharing a scale and zero point, tried in this order (the kernel takes 32, 64, 128 or 256;
@@ -91,6 +103,8 @@ class QuantizedLinear(nn.Module):
 
     Works on rows of bf16 activations, any number of them (the prompt's prefill too). int4 pads the
     outputs to a multiple of 16, as its packing requires, and drops the padding from the result.
+    ``kernel``: the ``lab.intmm`` product that computes it (``lab.intmm.PRODUCTS``), or None where
+    torch's int8 or int4 kernel does.
     """
 
     def __init__(self, weight_out_in: torch.Tensor, bias: torch.Tensor | None, kind: str):
@@ -103,6 +117,8 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"{kind} needs input widths that are multiples of {intmm.GROUP}")
         self.kind = kind
         self.out_features, self.in_features = weight_out_in.shape
+        widths = kind == "int8" or self.in_features % intmm.GROUP == 0  # int4 in w4a8's layout
+        self.kernel = kind if kind in INTEGER_PRODUCTS or widths and intmm.unavailable() is None else None
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
         weight = weight_out_in.detach()
         if kind in ("int8", "w8a8"):
@@ -110,7 +126,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("weight_int8", values)  # [Dout, Din]
             # [Dout]: torch's int8 kernel takes bf16 scales, w8a8's float32
             self.register_buffer("scales", scales.to(torch.bfloat16 if kind == "int8" else torch.float32))
-        elif kind == "w4a8":
+        elif self.kernel is not None:  # w4a8, and int4 where lab.intmm computes it: the same weights
             self.group_size = intmm.GROUP
             packed, scales_zeros = intmm.w4a8_pack(*quantize_groups_int4(weight, self.group_size))
             self.register_buffer("weight_w4", packed)  # [Dout rounded up to 16, Din / 2]
@@ -139,16 +155,17 @@ class QuantizedLinear(nn.Module):
         # and a decode step makes 49 of these calls
         buffers = self._buffers
         bias = buffers["bias"]
-        if self.kind in INTEGER_WEIGHTS:  # lab.intmm reads bf16 as it is and adds the bias before rounding y
-            y = intmm.PRODUCTS[self.kind](x2d, self.integer_weights(), bias, self.out_features)  # [N, Dout]
+        if self.kernel is not None:  # lab.intmm reads bf16 as it is and adds the bias before rounding y
+            y = intmm.PRODUCTS[self.kernel](x2d, self.kernel_weights(), bias, self.out_features)  # [N, Dout]
         else:
             y = self._weight_only(x2d.contiguous())  # [N, Dout]
         return y.view(*lead, self.out_features)
 
-    def integer_weights(self) -> tuple[torch.Tensor, ...]:
-        """A w4a8 or w8a8 layer's weights as lab.intmm's product takes them (``INTEGER_WEIGHTS``)."""
+    def kernel_weights(self) -> tuple[torch.Tensor, ...]:
+        """The weights as lab.intmm's product takes them (``KERNEL_WEIGHTS``), where it computes this
+        layer (``kernel`` set)."""
         buffers = self._buffers
-        return tuple(buffers[name] for name in INTEGER_WEIGHTS[self.kind])
+        return tuple(buffers[name] for name in KERNEL_WEIGHTS[self.kind])
 
     def _weight_only(self, x2d: torch.Tensor) -> torch.Tensor:
         """torch's int8 and int4 kernels: x2d [N, Din] bf16, dense -> [N, Dout] bf16."""
@@ -162,7 +179,8 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, {self.kind}"
+        computed_by = "lab.intmm" if self.kernel is not None else "torch"
+        return f"in={self.in_features}, out={self.out_features}, {self.kind} ({computed_by})"
 
 
 def require_kernels(dtype: str) -> None:

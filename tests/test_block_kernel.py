@@ -20,9 +20,9 @@ from tests.tiny import TinyModel, assert_rows_alone
 
 pytestmark = pytest.mark.skipif(intmm.unavailable() is not None, reason=str(intmm.unavailable()))
 
-KINDS = ["float32", "bfloat16", "w4a8", "w8a8"]
+KINDS = ["float32", "bfloat16", "w4a8", "w8a8", "int4", "int8"]
 """The weights whose products lab.intmm computes, so whose blocks run in one call."""
-TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "w4a8": 2e-2, "w8a8": 2e-2}
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "w4a8": 2e-2, "w8a8": 2e-2, "int4": 2e-2, "int8": 2e-2}
 """bf16 activations: a LayerNorm's or a GELU's output may round to the neighbouring bf16 value."""
 
 
@@ -150,13 +150,15 @@ def test_hooks_prompts_gradients_and_training_keep_the_modules(saved, block_call
 
 
 def test_what_it_does_not_compute_keeps_the_modules(tmp_path, block_calls):
-    """torch's int4 products, a post-LN block and a block whose product was replaced by torch's
-    run their modules; the loader's ``kernels=False`` keeps plain blocks."""
+    """torch's int4 products (widths that are no multiple of 64), a post-LN block and a block whose
+    product was replaced by torch's run their modules; the loader's ``kernels=False`` keeps plain
+    blocks."""
+    save_model(TinyModel(n_layer=2, n_embd=96, n_head=4)("cpu"), tmp_path / "96")
+    model = load_model(str(tmp_path / "96"), "int4")
+    assert type(model.blocks[0]) is KernelBlock and model.blocks[0].attn.c_attn.kernel is None
+    Decoder(model, None, max_len=8).step(3)
     save_model(TinyModel(n_layer=2, n_embd=64, n_head=4)("cpu"), tmp_path)
     assert type(load_model(str(tmp_path), "float32", kernels=False).blocks[0]) is Block
-    model = load_model(str(tmp_path), "int4")
-    assert type(model.blocks[0]) is KernelBlock
-    Decoder(model, None, max_len=8).step(3)
     model = load_model(str(tmp_path), "float32")
     for block in model.blocks:
         block.norm = "post"
@@ -193,9 +195,9 @@ def test_changed_weights_are_read_again_and_copies_work(saved):
     assert logits.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("kind", ["w4a8", "w8a8"])
+@pytest.mark.parametrize("kind", ["w4a8", "w8a8", "int4", "int8"])
 def test_a_prompt_runs_in_one_call_a_row_per_token_and_chunks_change_no_bit(saved, block_calls, kind):
-    """With integer products a prompt's tokens are rows of one call sharing the sequence's cache,
+    """With integer weights a prompt's tokens are rows of one call sharing the sequence's cache,
     each attending causally: the logits are the modules' up to rounding, and a prompt fed in chunks
     gives bit for bit the stream and logits it gives fed at once (each row is computed alone)."""
     model = load_model(saved, kind)

@@ -26,6 +26,8 @@ CFG = GPTConfig(n_layer=4, n_head=2, n_embd=64, vocab_size=100, block_size=32)  
 NO_KERNELS = pytest.mark.skipif(intmm.unavailable() is not None, reason=str(intmm.unavailable()))
 INTEGER = [pytest.param("w4a8", marks=NO_KERNELS), pytest.param("w8a8", marks=NO_KERNELS)]
 QUANTIZED = ["int8", "int4", *INTEGER]
+KERNELS = [*INTEGER, pytest.param("int4", marks=NO_KERNELS), pytest.param("int8", marks=NO_KERNELS)]
+"""lab.intmm's products: w4a8 and w8a8, and weight-only int4 and int8 where it computes them."""
 
 
 def tiny_model(norm: str = "pre") -> GPT:
@@ -183,27 +185,39 @@ def w8a8_reference(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) 
 def integer_product(kind: str, weight: torch.Tensor):
     """lab.intmm's product of ``kind`` on ``weight`` [N, K] as lab.quantize quantizes it, and its
     float64 definition: two functions of x [M, K] (and a bias [N])."""
-    if kind == "w4a8":
+    if kind in ("w4a8", "int4"):
         codes, scales_and_zeros = quantize_groups_int4(weight, 64)
         packed = intmm.w4a8_pack(codes, scales_and_zeros)
+        if kind == "int4":  # weight-only: x as it is times the weights the bf16 scales and zeros make
+            dequantized = dequantize_int4(codes, scales_and_zeros.to(torch.bfloat16)).double()
+            return (
+                lambda x, bias=None: intmm.int4_matmul(x, *packed, bias, weight.size(0)),
+                lambda x: x.double() @ dequantized.t(),
+            )
         return (
             lambda x, bias=None: intmm.w4a8_matmul(x, *packed, bias, weight.size(0)),
             lambda x: w4a8_reference(x, codes, scales_and_zeros),
         )
     values, scales = quantize_rows_int8(weight)
+    if kind == "int8":  # weight-only, with the bf16 scales torch's int8 kernel takes
+        scales = scales.to(torch.bfloat16)
+        return (
+            lambda x, bias=None: intmm.int8_matmul(x, values, scales, bias),
+            lambda x: x.double() @ (values.double() * scales.double()[:, None]).t(),
+        )
     return (
         lambda x, bias=None: intmm.w8a8_matmul(x, values, scales, bias),
         lambda x: w8a8_reference(x, values, scales),
     )
 
 
-@pytest.mark.parametrize("kind", INTEGER)
+@pytest.mark.parametrize("kind", KERNELS)
 @pytest.mark.parametrize(("n", "k"), [(37, 64), (37, 768), (6, 1088)])
 def test_integer_kernel_is_its_definition_and_rows_are_alone(kind, n, k, instruction_set):
     """The C kernel computes what its header says (against float64), with outputs of any count
-    (w8a8's tiles of 4 and what is left; w4a8's blocks of 16, the last one padded) and groups of any
-    count (1088: 17, one past a vector of 16), and each row's result is bit for bit the same alone or
-    among 1 to 8 others (batch invariance)."""
+    (w8a8's tiles of 4 and what is left; w4a8's and int4's blocks of 16, the last one padded) and
+    groups of any count (1088: 17, one past a vector of 16), and each row's result is bit for bit the
+    same alone or among 1 to 8 others (batch invariance)."""
     torch.manual_seed(0)
     product, reference = integer_product(kind, torch.randn(n, k) * 0.05)
     x = torch.randn(9, k)
@@ -232,7 +246,7 @@ def test_w8a8_takes_every_int8_value_and_refuses_weights_it_would_misread(instru
         intmm.w8a8_matmul(x, values, scales.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("kind", INTEGER)
+@pytest.mark.parametrize("kind", KERNELS)
 def test_integer_kernel_reads_and_writes_bf16(kind, instruction_set):
     """bf16 x is read as it is (its values exactly), the bias added in float32 and y rounded once to
     bf16 as torch rounds; a strided x is made dense first; other dtypes are taken as float32."""
@@ -247,10 +261,10 @@ def test_integer_kernel_reads_and_writes_bf16(kind, instruction_set):
     assert torch.equal(product(x.double()), product(x))
 
 
-@pytest.mark.parametrize("kind", INTEGER)
+@pytest.mark.parametrize("kind", KERNELS)
 def test_integer_products_compile_as_custom_ops(kind, instruction_set):
-    """Inside torch.compile each product is its custom op (``blocklab::w4a8_mm``, ``w8a8_mm``), bias
-    included: eager's numbers bit for bit."""
+    """Inside torch.compile each product is its custom op (``blocklab::w4a8_mm``, ``int4_mm``, ...),
+    bias included: eager's numbers bit for bit."""
     torch.manual_seed(0)
     layer = QuantizedLinear(torch.randn(48, 64), torch.randn(48), kind)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
@@ -284,4 +298,21 @@ def test_integer_products_without_their_kernels_are_refused_saying_why(monkeypat
         quantize(tiny_model(), kind)
     with pytest.raises(ValueError, match=f"--dtype {kind}: the integer kernels need"):
         ServeConfig(model="builtin", dtype=kind).check()
-    quantize(tiny_model(), weight_only)  # the others need nothing of it
+    model = quantize(tiny_model(), weight_only)  # the others need nothing of it: torch's kernels
+    assert model.blocks[0].mlp.c_fc.kernel is None
+
+
+@NO_KERNELS
+def test_weight_only_products_are_lab_intmms_where_it_takes_their_widths():
+    """int8 of any width and int4 of widths that are multiples of 64 take lab.intmm's products; int4 of
+    other widths (groups of 32) keeps torch's kernel, the product of the same weights either way."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 96) * 0.05, torch.randn(40)
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    assert QuantizedLinear(weight, bias, "int8").kernel == "int8"
+    assert QuantizedLinear(weight[:, :64], bias, "int4").kernel == "int4"
+    torch_int4 = QuantizedLinear(weight, bias, "int4")
+    assert torch_int4.kernel is None and torch_int4.group_size == 32 and "(torch)" in repr(torch_int4)
+    codes, scales_and_zeros = quantize_groups_int4(weight, 32)
+    expected = x.float() @ dequantize_int4(codes, scales_and_zeros.to(torch.bfloat16)).t() + bias
+    torch.testing.assert_close(torch_int4(x).float(), expected, atol=2e-2, rtol=2e-2)

@@ -467,6 +467,8 @@ struct float_product {
   int64_t M, K, N;
   const void *x; /* float32 [M, K]; bf16 for bf16_mm's AVX-512 version */
   const void *weights;
+  const uint16_t *scales; /* int8_mm: bf16 [N]; int4_mm: scales and zeros, bf16 [N / 16, K / 64, 2, 16] */
+  const float *sums;      /* int4_mm: each input row's sum per group of 64 [M, K / 64] */
   const void *bias;
   void *y;
   int bf16; /* bias and y are bf16 */
@@ -578,6 +580,195 @@ static void bf16_avx2(const struct float_product *p) { FLOAT_PRODUCT(float_tile_
 
 static void f32_avx2(const struct float_product *p) { FLOAT_PRODUCT(float_tile_avx2, 0, p); }
 
+/* Weight-only products: integer weights times floating-point inputs, sums in float32, what torch's
+ * int8 and int4 kernels compute (weights widened to float), at the rate the weights stream.
+ *
+ *   int8_mm: lab.quantize's int8 rows, w = value * scale (values [N, K], the bf16 scales [N] torch's
+ *            int8 kernel takes): y = scale * sum value * x;
+ *   int4_mm: w4a8's layout and weights (below).
+ *
+ * Both take up to 4 input rows per widening of the weights, and sum each row's products in 4 chains of
+ * fused multiply-adds (AVX2: 2), so that a row is not held up by their latency; each output's sum is
+ * the same sequence of operations whichever rows share the call (batch invariance). */
+
+#define CHAINS 4
+
+/* int8_mm's output n of input rows m0 .. m0 + ROWS - 1 (COLS 1), inputs float32. */
+TILE_INLINE void int8_rows_avx512(const int ROWS, const int COLS, int64_t m0, int64_t n,
+                                  const struct float_product *p) {
+  (void)COLS;
+  const int64_t K = p->K, full = K / 16 * 16;
+  const int8_t *w = (const int8_t *)p->weights + n * K;
+  const float *x = (const float *)p->x + m0 * K;
+  __m512 acc[4][CHAINS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < CHAINS; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < full; k += CHAINS * 16)
+    for (int j = 0; j < CHAINS && k + 16 * j < full; ++j) {
+      const __m512 weight = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k + 16 * j))));
+      for (int r = 0; r < ROWS; ++r) acc[r][j] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(x + r * K + k + 16 * j), acc[r][j]);
+    }
+  if (full < K) {
+    const __mmask16 tail = (__mmask16)((1u << (K - full)) - 1);
+    const __m512 weight = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, w + full)));
+    for (int r = 0; r < ROWS; ++r) acc[r][0] = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(tail, x + r * K + full), acc[r][0]);
+  }
+  const float scale = bf16_to_float(p->scales[n]);
+  for (int r = 0; r < ROWS; ++r) {
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+    float_store(p, m0 + r, n, scale * _mm512_reduce_add_ps(sum));
+  }
+}
+
+static inline __attribute__((always_inline)) void int8_rows_avx2(const int ROWS, int64_t m0, int64_t n,
+                                                                 const struct float_product *p) {
+  const int64_t K = p->K, full = K / 8 * 8;
+  const int8_t *w = (const int8_t *)p->weights + n * K;
+  const float *x = (const float *)p->x + m0 * K;
+  __m256 acc[4][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < full; k += 16)
+    for (int j = 0; j < 2 && k + 8 * j < full; ++j) {
+      const __m256 weight = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k + 8 * j))));
+      for (int r = 0; r < ROWS; ++r) acc[r][j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(x + r * K + k + 8 * j), acc[r][j]);
+    }
+  const float scale = bf16_to_float(p->scales[n]);
+  for (int r = 0; r < ROWS; ++r) {
+    float value = sum_lanes(_mm256_add_ps(acc[r][0], acc[r][1]));
+    for (int64_t k = full; k < K; ++k) value += (float)w[k] * x[r * K + k];
+    float_store(p, m0 + r, n, scale * value);
+  }
+}
+
+static AVX512 void int8_avx512(const struct float_product *p) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < p->N; ++n) EACH_ROW(int8_rows_avx512, 1, n, p);
+}
+
+static void int8_avx2(const struct float_product *p) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < p->N; ++n) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= p->M; m0 += 4) int8_rows_avx2(4, m0, n, p);
+    switch (p->M - m0) {
+      case 3: int8_rows_avx2(3, m0, n, p); break;
+      case 2: int8_rows_avx2(2, m0, n, p); break;
+      case 1: int8_rows_avx2(1, m0, n, p); break;
+    }
+  }
+}
+
+/* int4_mm: weight-only int4 in w4a8's layout (its codes, scales and zeros: the same weights), times
+ * float32 inputs. With w = (code - 8) * scale + zero per output and group of 64 inputs, a group adds
+ *   scale * sum code * x  +  (zero - 8 * scale) * sum x
+ * to y, sum x taken once per row and group (p->sums). The codes are widened to float 16 outputs at a
+ * time (AVX2: 8), outputs in the lanes as the layout has them: AVX-512 looks each 4-bit code up in a
+ * register of the floats 0..15 (permutexvar reads an index's low 4 bits: one instruction a code),
+ * AVX2 masks and converts it. */
+
+/* Outputs n0 .. n0 + COLS - 1, COLS 16 (the layout's block n0 / 16), of input rows m0 .. m0 + ROWS - 1. */
+TILE_INLINE void int4_block_rows(const int ROWS, const int COLS, int64_t m0, int64_t n0,
+                                 const struct float_product *p) {
+  const int64_t K = p->K, G = K / GROUP;
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const uint8_t *block = (const uint8_t *)p->weights + n0 / COLS * G * 512;
+  const uint16_t *scales_zeros = p->scales + n0 / COLS * G * 32;
+  const float *x = (const float *)p->x;
+  __m512 acc[4];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 dot[4][CHAINS]; /* [row][chain]: sums of code * x, chain j over inputs 8i + j and 8i + 4 + j */
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < CHAINS; ++j) dot[r][j] = _mm512_setzero_ps();
+    for (int i = 0; i < 8; ++i) {
+      const uint8_t *run = block + g * 512 + i * 64;
+      if (m0 == 0) _mm_prefetch((const char *)(run + PREFETCH_BYTES), _MM_HINT_T0);
+      const __m512i bytes = _mm512_loadu_si512(run);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 first = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 8 * j), codes);      /* 8i + j */
+        const __m512 second = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 8 * j + 4), codes); /* 8i + 4 + j */
+        for (int r = 0; r < ROWS; ++r) {
+          const float *inputs = x + (m0 + r) * K + g * GROUP + 8 * i;
+          dot[r][j] = _mm512_fmadd_ps(first, _mm512_set1_ps(inputs[j]), dot[r][j]);
+          dot[r][j] = _mm512_fmadd_ps(second, _mm512_set1_ps(inputs[4 + j]), dot[r][j]);
+        }
+      }
+    }
+    const __m512 scales = widen_bf16x16(scales_zeros + g * 32), zeros = widen_bf16x16(scales_zeros + g * 32 + 16);
+    const __m512 code_zero = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scales, zeros); /* zero - 8 * scale */
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(dot[r][0], dot[r][1]), _mm512_add_ps(dot[r][2], dot[r][3]));
+      acc[r] = _mm512_fmadd_ps(scales, sum, acc[r]);
+      acc[r] = _mm512_fmadd_ps(code_zero, _mm512_set1_ps(p->sums[(m0 + r) * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    float out[16];
+    _mm512_storeu_ps(out, acc[r]);
+    for (int c = 0; c < COLS && n0 + c < p->N; ++c) float_store(p, m0 + r, n0 + c, out[c]);
+  }
+}
+
+/* Outputs 8 n .. 8 n + 7 (half n % 2 of block n / 2) of input rows m0 .. m0 + ROWS - 1. */
+static inline __attribute__((always_inline)) void int4_cols(const int ROWS, int64_t m0, int64_t n,
+                                                            const struct float_product *p) {
+  const int64_t K = p->K, G = K / GROUP, half = n % 2;
+  const __m256i low_nibble = _mm256_set1_epi32(0x0F);
+  const uint8_t *block = (const uint8_t *)p->weights + n / 2 * G * 512 + half * 32;
+  const uint16_t *scales_zeros = p->scales + n / 2 * G * 32 + half * 8;
+  const float *x = (const float *)p->x;
+  __m256 acc[4];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 dot[4][2]; /* [row][chain]: sums of code * x, chain 0 over inputs 8i + j, 1 over 8i + 4 + j */
+    for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_ps();
+    for (int i = 0; i < 8; ++i) {
+      const uint8_t *run = block + g * 512 + i * 64;
+      if (m0 == 0) _mm_prefetch((const char *)(run + PREFETCH_BYTES), _MM_HINT_T0);
+      const __m256i bytes = _mm256_loadu_si256((const __m256i *)run);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 first = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes, 8 * j), low_nibble));
+        const __m256 second = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes, 8 * j + 4), low_nibble));
+        for (int r = 0; r < ROWS; ++r) {
+          const float *inputs = x + (m0 + r) * K + g * GROUP + 8 * i;
+          dot[r][0] = _mm256_fmadd_ps(first, _mm256_set1_ps(inputs[j]), dot[r][0]);
+          dot[r][1] = _mm256_fmadd_ps(second, _mm256_set1_ps(inputs[4 + j]), dot[r][1]);
+        }
+      }
+    }
+    const __m256 scales = widen_lanes(1, scales_zeros, g * 32), zeros = widen_lanes(1, scales_zeros, g * 32 + 16);
+    const __m256 code_zero = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scales, zeros);
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r] = _mm256_fmadd_ps(scales, _mm256_add_ps(dot[r][0], dot[r][1]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(code_zero, _mm256_set1_ps(p->sums[(m0 + r) * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[r]);
+    for (int c = 0; c < 8 && 8 * n + c < p->N; ++c) float_store(p, m0 + r, 8 * n + c, out[c]);
+  }
+}
+
+static AVX512 void int4_avx512(const struct float_product *p) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < p->N; n0 += 16) EACH_ROW(int4_block_rows, 16, n0, p);
+}
+
+/* As each_row, for int4_cols. */
+static void int4_avx2(const struct float_product *p) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < (p->N + 15) / 16 * 2; ++n) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= p->M; m0 += 4) int4_cols(4, m0, n, p);
+    switch (p->M - m0) {
+      case 3: int4_cols(3, m0, n, p); break;
+      case 2: int4_cols(2, m0, n, p); break;
+      case 1: int4_cols(1, m0, n, p); break;
+    }
+  }
+}
+
 /* x [M, K] in float32, from x as it is (bf16: widened; round_to_bf16: rounded first), into scratch;
  * x itself when nothing changes. NULL when there is no memory. */
 static const float *float_inputs(const void *x, int bf16, int round_to_bf16, int64_t count, void **scratch) {
@@ -595,7 +786,8 @@ static const float *float_inputs(const void *x, int bf16, int round_to_bf16, int
 int f32_mm(const void *x, int64_t M, int64_t K, int bf16, const float *weights, int64_t N, const void *bias,
            void *y) {
   void *scratch = NULL;
-  struct float_product p = {M, K, N, float_inputs(x, bf16, 0, M * K, &scratch), weights, bias, y, bf16};
+  struct float_product p = {.M = M, .K = K, .N = N, .x = float_inputs(x, bf16, 0, M * K, &scratch),
+                            .weights = weights, .bias = bias, .y = y, .bf16 = bf16};
   if (p.x == NULL) return -1;
   if (intmm_isa(-1) == 1)
     f32_avx512(&p);
@@ -609,7 +801,7 @@ int f32_mm(const void *x, int64_t M, int64_t K, int bf16, const float *weights, 
 int bf16_mm(const void *x, int64_t M, int64_t K, int bf16, const uint16_t *weights, int64_t N, const void *bias,
             void *y) {
   void *scratch = NULL;
-  struct float_product p = {M, K, N, x, weights, bias, y, bf16};
+  struct float_product p = {.M = M, .K = K, .N = N, .x = x, .weights = weights, .bias = bias, .y = y, .bf16 = bf16};
   const int avx512 = intmm_isa(-1) == 1 && avx512_bf16();
   if (avx512 && !bf16) { /* the inputs rounded to bf16, as torch rounds */
     uint16_t *rounded = scratch = malloc(sizeof(uint16_t) * (size_t)(M * K));
@@ -624,6 +816,51 @@ int bf16_mm(const void *x, int64_t M, int64_t K, int bf16, const uint16_t *weigh
   else
     bf16_avx2(&p);
   free(scratch);
+  return 0;
+}
+
+/* y [M, N] = x [M, K] times the int8 weights values [N, K] scaled per output row by scales [N] (bf16)
+ * + bias. Returns as f32_mm. */
+int int8_mm(const void *x, int64_t M, int64_t K, int bf16, const int8_t *values, const uint16_t *scales, int64_t N,
+            const void *bias, void *y) {
+  void *scratch = NULL;
+  struct float_product p = {.M = M, .K = K, .N = N, .x = float_inputs(x, bf16, 0, M * K, &scratch),
+                            .weights = values, .scales = scales, .bias = bias, .y = y, .bf16 = bf16};
+  if (p.x == NULL) return -1;
+  if (intmm_isa(-1) == 1)
+    int8_avx512(&p);
+  else
+    int8_avx2(&p);
+  free(scratch);
+  return 0;
+}
+
+/* y [M, N] = x [M, K] times the packed 4-bit weights [N / 16, K / 64, 8, 64] (w4a8's layout) + bias, the
+ * inputs as they are. Returns as f32_mm. */
+int int4_mm(const void *x, int64_t M, int64_t K, int bf16, const uint8_t *packed, const uint16_t *scales_zeros,
+            int64_t N, const void *bias, void *y) {
+  void *scratch = NULL;
+  const int64_t G = K / GROUP;
+  const float *inputs = float_inputs(x, bf16, 0, M * K, &scratch);
+  float *sums = malloc(sizeof(float) * (size_t)(M * G));
+  if (inputs == NULL || sums == NULL) {
+    free(scratch);
+    free(sums);
+    return -1;
+  }
+  for (int64_t i = 0; i < M * G; ++i) { /* in one fixed order, whatever M is */
+    float sum = 0.f;
+    for (int j = 0; j < GROUP; ++j) sum += inputs[i * GROUP + j];
+    sums[i] = sum;
+  }
+  struct float_product p = {.M = M, .K = K, .N = N, .x = inputs, .weights = packed, .scales = scales_zeros,
+                            .sums = sums, .bias = bias, .y = y, .bf16 = bf16};
+  if (intmm_isa(-1) == 1)
+    int4_avx512(&p);
+  else
+    int4_avx2(&p);
+  free(scratch);
+  free(sums);
   return 0;
 }
 
@@ -855,10 +1092,11 @@ int64_t argmax(const void *x, int64_t n, int bf16) {
  * arithmetic inside a LayerNorm and a GELU; each row on its own, as every part here computes it
  * (batch invariance). */
 
-enum { PRODUCT_F32, PRODUCT_BF16, PRODUCT_W4A8, PRODUCT_W8A8 };
+enum { PRODUCT_F32, PRODUCT_BF16, PRODUCT_W4A8, PRODUCT_W8A8, PRODUCT_INT8, PRODUCT_INT4 };
 
 /* One of a block's products as lab/intmm.py describes it: kind, K, N, the weights of f32_mm, bf16_mm,
- * w4a8_mm (packed, scales_zeros) or w8a8_mm (values, scales), and the bias (NULL: none). */
+ * w4a8_mm or int4_mm (packed, scales_zeros), w8a8_mm or int8_mm (values, scales), and the bias (NULL:
+ * none). */
 struct linear {
   int64_t kind, k, n;
   const void *weights, *scales, *bias;
@@ -881,6 +1119,10 @@ static int linear_rows(const struct linear *l, const void *x, int64_t M, int bf1
     return w4a8_mm(x, M, l->k, bf16, l->weights, l->scales, l->n, l->bias, y);
   case PRODUCT_W8A8:
     return w8a8_mm(x, M, l->k, bf16, l->weights, l->scales, l->n, l->bias, y);
+  case PRODUCT_INT8:
+    return int8_mm(x, M, l->k, bf16, l->weights, l->scales, l->n, l->bias, y);
+  case PRODUCT_INT4:
+    return int4_mm(x, M, l->k, bf16, l->weights, l->scales, l->n, l->bias, y);
   }
   return -2;
 }
