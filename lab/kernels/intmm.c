@@ -605,6 +605,7 @@ TILE_INLINE void int8_rows_avx512(const int ROWS, const int COLS, int64_t m0, in
     for (int j = 0; j < CHAINS; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < full; k += CHAINS * 16)
     for (int j = 0; j < CHAINS && k + 16 * j < full; ++j) {
+      if (m0 == 0 && j == 0) _mm_prefetch((const char *)(w + k + PREFETCH_BYTES), _MM_HINT_T0);
       const __m512 weight = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k + 16 * j))));
       for (int r = 0; r < ROWS; ++r) acc[r][j] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(x + r * K + k + 16 * j), acc[r][j]);
     }
@@ -620,8 +621,9 @@ TILE_INLINE void int8_rows_avx512(const int ROWS, const int COLS, int64_t m0, in
   }
 }
 
-static inline __attribute__((always_inline)) void int8_rows_avx2(const int ROWS, int64_t m0, int64_t n,
-                                                                 const struct float_product *p) {
+static inline __attribute__((always_inline)) void int8_rows_avx2(const int ROWS, const int COLS, int64_t m0,
+                                                                 int64_t n, const struct float_product *p) {
+  (void)COLS;
   const int64_t K = p->K, full = K / 8 * 8;
   const int8_t *w = (const int8_t *)p->weights + n * K;
   const float *x = (const float *)p->x + m0 * K;
@@ -640,23 +642,44 @@ static inline __attribute__((always_inline)) void int8_rows_avx2(const int ROWS,
   }
 }
 
-static AVX512 void int8_avx512(const struct float_product *p) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < p->N; ++n) EACH_ROW(int8_rows_avx512, 1, n, p);
-}
+/* Outputs n0 .. end - 1 of every row, COLS at a time (a constant), 4 rows at a time, each group of rows
+ * over all the outputs before the next: the rows' inputs stay in the first-level cache across the
+ * outputs (a prompt's inputs, M x K floats, do not), the outputs' weights in the second. */
+#define ROW_GROUPS(TILE, COLS, n0, end, p)                                        \
+  do {                                                                            \
+    int64_t m0 = 0;                                                               \
+    for (; m0 + 4 <= (p)->M; m0 += 4)                                             \
+      for (int64_t n = n0; n < end; n += COLS) TILE(4, COLS, m0, n, p);           \
+    for (int64_t n = n0; n < end; n += COLS) switch ((p)->M - m0) {               \
+        case 3: TILE(3, COLS, m0, n, p); break;                                   \
+        case 2: TILE(2, COLS, m0, n, p); break;                                   \
+        case 1: TILE(1, COLS, m0, n, p); break;                                   \
+      }                                                                           \
+  } while (0)
 
-static void int8_avx2(const struct float_product *p) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < p->N; ++n) {
-    int64_t m0 = 0;
-    for (; m0 + 4 <= p->M; m0 += 4) int8_rows_avx2(4, m0, n, p);
-    switch (p->M - m0) {
-      case 3: int8_rows_avx2(3, m0, n, p); break;
-      case 2: int8_rows_avx2(2, m0, n, p); break;
-      case 1: int8_rows_avx2(1, m0, n, p); break;
-    }
-  }
-}
+/* Outputs a thread takes at a time in a product of more than NARROW_ROWS rows: 64 int8 rows of K = 3072
+ * are 192 KiB, in the second-level cache. */
+#define OUTPUT_CHUNK 64
+
+/* One parallel loop per kernel, as FLOAT_PRODUCT: a decode step's rows (NARROW_ROWS) take COLS
+ * outputs at a time, more rows OUTPUT_CHUNK outputs a thread in ROW_GROUPS. */
+#define WEIGHT_ONLY_PRODUCT(TILE, COLS, p)                                                \
+  do {                                                                                   \
+    if ((p)->M <= NARROW_ROWS) {                                                         \
+      _Pragma("omp parallel for schedule(static)")                                       \
+      for (int64_t n0 = 0; n0 < (p)->N; n0 += COLS) EACH_ROW(TILE, COLS, n0, p);         \
+    } else {                                                                             \
+      _Pragma("omp parallel for schedule(static)")                                       \
+      for (int64_t n0 = 0; n0 < (p)->N; n0 += OUTPUT_CHUNK) {                            \
+        const int64_t end = n0 + OUTPUT_CHUNK < (p)->N ? n0 + OUTPUT_CHUNK : (p)->N;     \
+        ROW_GROUPS(TILE, COLS, n0, end, p);                                              \
+      }                                                                                  \
+    }                                                                                    \
+  } while (0)
+
+static AVX512 void int8_avx512(const struct float_product *p) { WEIGHT_ONLY_PRODUCT(int8_rows_avx512, 1, p); }
+
+static void int8_avx2(const struct float_product *p) { WEIGHT_ONLY_PRODUCT(int8_rows_avx2, 1, p); }
 
 /* int4_mm: weight-only int4 in w4a8's layout (its codes, scales and zeros: the same weights), times
  * float32 inputs. With w = (code - 8) * scale + zero per output and group of 64 inputs, a group adds
@@ -709,10 +732,10 @@ TILE_INLINE void int4_block_rows(const int ROWS, const int COLS, int64_t m0, int
   }
 }
 
-/* Outputs 8 n .. 8 n + 7 (half n % 2 of block n / 2) of input rows m0 .. m0 + ROWS - 1. */
-static inline __attribute__((always_inline)) void int4_cols(const int ROWS, int64_t m0, int64_t n,
+/* Outputs n0 .. n0 + COLS - 1, COLS 8 (half n0 / 8 % 2 of block n0 / 16), of input rows m0 .. m0 + ROWS - 1. */
+static inline __attribute__((always_inline)) void int4_cols(const int ROWS, const int COLS, int64_t m0, int64_t n0,
                                                             const struct float_product *p) {
-  const int64_t K = p->K, G = K / GROUP, half = n % 2;
+  const int64_t K = p->K, G = K / GROUP, n = n0 / COLS, half = n % 2;
   const __m256i low_nibble = _mm256_set1_epi32(0x0F);
   const uint8_t *block = (const uint8_t *)p->weights + n / 2 * G * 512 + half * 32;
   const uint16_t *scales_zeros = p->scales + n / 2 * G * 32 + half * 8;
@@ -750,24 +773,9 @@ static inline __attribute__((always_inline)) void int4_cols(const int ROWS, int6
   }
 }
 
-static AVX512 void int4_avx512(const struct float_product *p) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < p->N; n0 += 16) EACH_ROW(int4_block_rows, 16, n0, p);
-}
+static AVX512 void int4_avx512(const struct float_product *p) { WEIGHT_ONLY_PRODUCT(int4_block_rows, 16, p); }
 
-/* As each_row, for int4_cols. */
-static void int4_avx2(const struct float_product *p) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < (p->N + 15) / 16 * 2; ++n) {
-    int64_t m0 = 0;
-    for (; m0 + 4 <= p->M; m0 += 4) int4_cols(4, m0, n, p);
-    switch (p->M - m0) {
-      case 3: int4_cols(3, m0, n, p); break;
-      case 2: int4_cols(2, m0, n, p); break;
-      case 1: int4_cols(1, m0, n, p); break;
-    }
-  }
-}
+static void int4_avx2(const struct float_product *p) { WEIGHT_ONLY_PRODUCT(int4_cols, 8, p); }
 
 /* x [M, K] in float32, from x as it is (bf16: widened; round_to_bf16: rounded first), into scratch;
  * x itself when nothing changes. NULL when there is no memory. */
