@@ -104,10 +104,13 @@ class QuantizedLinear(nn.Module):
     Works on rows of bf16 activations, any number of them (the prompt's prefill too). int4 pads the
     outputs to a multiple of 16, as its packing requires, and drops the padding from the result.
     ``kernel``: the ``lab.intmm`` product that computes it (``lab.intmm.PRODUCTS``), or None where
-    torch's int8 or int4 kernel does.
+    torch's int8 or int4 kernel does: where lab.intmm does not build or take the widths, or where
+    ``kernels`` is False (int8 and int4 only: a baseline).
     """
 
-    def __init__(self, weight_out_in: torch.Tensor, bias: torch.Tensor | None, kind: str):
+    def __init__(
+        self, weight_out_in: torch.Tensor, bias: torch.Tensor | None, kind: str, kernels: bool = True
+    ):
         super().__init__()
         if kind not in QUANTIZED_DTYPES:
             raise ValueError(f"kind: one of {', '.join(QUANTIZED_DTYPES)}, got {kind!r}")
@@ -118,7 +121,8 @@ class QuantizedLinear(nn.Module):
         self.kind = kind
         self.out_features, self.in_features = weight_out_in.shape
         widths = kind == "int8" or self.in_features % intmm.GROUP == 0  # int4 in w4a8's layout
-        self.kernel = kind if kind in INTEGER_PRODUCTS or widths and intmm.unavailable() is None else None
+        intmm_takes = kernels and widths and intmm.unavailable() is None
+        self.kernel = kind if kind in INTEGER_PRODUCTS or intmm_takes else None
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
         weight = weight_out_in.detach()
         if kind in ("int8", "w8a8"):
@@ -191,9 +195,9 @@ def require_kernels(dtype: str) -> None:
         raise UserError(f"--dtype {dtype}: {reason}; {weight_only} runs everywhere")
 
 
-def quantize(model: GPT, dtype: str) -> GPT:
+def quantize(model: GPT, dtype: str, kernels: bool = True) -> GPT:
     """Replace ``model``'s Linear layers and read-out with ``dtype``'s (``QUANTIZED_DTYPES``), in place;
-    returns it.
+    returns it. ``kernels=False``: int8 and int4 keep torch's kernels (``QuantizedLinear``).
 
     The rest of the model (tables, norms) becomes bf16, the activations' dtype.
     """
@@ -206,10 +210,11 @@ def quantize(model: GPT, dtype: str) -> GPT:
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)]
     for name, linear in linears:
         parent_name, _, attribute = name.rpartition(".")
-        quantized = QuantizedLinear(linear.weight.t(), linear.bias, dtype)  # Linear's weight is [in, out]
+        weight = linear.weight.t()  # Linear's weight is [in, out]
+        quantized = QuantizedLinear(weight, linear.bias, dtype, kernels)
         setattr(model.get_submodule(parent_name), attribute, quantized)
     table = model.wte.weight if model.read_rows is None else model.read_table  # [V or V_read, D]: [out, in]
-    model.read_out = QuantizedLinear(table, None, dtype)  # the rows the read-out multiplies
+    model.read_out = QuantizedLinear(table, None, dtype, kernels)  # the rows the read-out multiplies
     return model.eval().requires_grad_(False)
 
 

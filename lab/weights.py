@@ -461,7 +461,8 @@ def load_model(
     products (``lab.float_kernels``), and every model's decode steps through its blocks in one call
     each, or their attention alone (``lab.block_kernel``): the same parameters; training and prompts
     still take torch's.
-    False keeps torch's products and attention throughout (a baseline).
+    False keeps torch's products and attention throughout (a baseline; int8 and int4 on torch's
+    weight-only kernels, ``lab.quantize``).
     """
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
     if name not in WEIGHT_DTYPES:
@@ -471,7 +472,7 @@ def load_model(
         raise UserError(f"dtype {name} runs on the CPU, not {device}")
     # quantized weights are made from bf16 ones, the activations' dtype
     model = _load(spec, torch.bfloat16 if quantized else getattr(torch, name), device, attention)
-    model = quantize(model, name) if quantized else model
+    model = quantize(model, name, kernels) if quantized else model
     if kernels and not quantized and uses_float_kernels(model.wte.weight.dtype, device):
         use_float_kernels(model)
     if kernels and uses_block_kernels(device):

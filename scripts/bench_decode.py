@@ -11,10 +11,11 @@ shared with other jobs slows all of them alike. Reports:
 - ms/token of greedy decoding after a prompt (prefill excluded) for GPT-2 small shapes (``gpt2-random``):
   ``transformers.GPT2LMHeadModel`` fp32 (same weights, its own KV cache), and ours with fp32, bf16,
   weight-only int8 and int4 weights, and int8 and int4 weights times int8 activations (w8a8, w4a8;
-  ``lab.quantize``); fp32, bf16 and w4a8 also with torch's kernels (``load_model(kernels=False)``:
-  torch's products for the float weights, torch's attention for all three), the baseline of
-  lab.intmm's; fp32, bf16, w8a8 and w4a8 also with each block through its modules
-  (``lab.block_kernel.without_block_calls``), the baseline of the block in one call;
+  ``lab.quantize``); fp32, bf16, int8, int4 and w4a8 also with torch's kernels
+  (``load_model(kernels=False)``: torch's products for the float and weight-only weights, torch's
+  attention for all five), the baseline of lab.intmm's; fp32, bf16, w8a8 and w4a8 also with each
+  block through its modules (``lab.block_kernel.without_block_calls``), the baseline of the block in
+  one call;
 - the bandwidth bound: the weight bytes one token reads / the best read bandwidth measured here on a
   buffer of the same size, read again and again as decoding does (where the last-level cache is about
   as large as the weights, that is the cache's bandwidth more than the memory's);
@@ -59,9 +60,10 @@ LOW_PRECISION = ("bfloat16", "int8", "w8a8", "int4", "w4a8")
 MODULE_BLOCK_DTYPES = ("float32", "bfloat16", "w8a8", "w4a8")
 """Also timed with each block through its modules (``lab.block_kernel.without_block_calls``): the
 baseline of the block in one call."""
-TORCH_KERNEL_DTYPES = ("float32", "bfloat16", "w4a8")
+TORCH_KERNEL_DTYPES = ("float32", "bfloat16", "int8", "int4", "w4a8")
 """Also timed with torch's kernels (``load_model(kernels=False)``): the baseline of lab.intmm's float
-products (lab.float_kernels) and decode steps' blocks in one call each (lab.block_kernel)."""
+and weight-only products (lab.float_kernels, lab.quantize) and decode steps' blocks in one call each
+(lab.block_kernel)."""
 SKIPS = (3, 6, 9, 12)
 """Blocks skipped (the last k) in the per-block fit."""
 

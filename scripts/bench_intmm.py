@@ -1,14 +1,16 @@
-"""Integer products (``lab.intmm``) against torch's weight-only kernels: w4a8 vs int4, w8a8 vs int8.
+"""lab.intmm's quantized products against torch's weight-only kernels: int4 and w4a8 against torch's
+int4, int8 and w8a8 against torch's int8.
 
     python scripts/bench_intmm.py                     # 1 and 2 threads, 7 interleaved rounds
     python scripts/bench_intmm.py --threads 2 --rounds 9 --json intmm.json
     python scripts/bench_intmm.py --only products decode
     python scripts/bench_intmm.py --instruction-sets avx2 avx512-vnni   # both kernels, on one CPU
 
-Each pair holds the same quantized weights (``lab.quantize``): int4 and int8 multiply bf16 activations
-by weights widened to floating point (``torch.ops.aten._weight_int4pack_mm_for_cpu``,
-``_weight_int8pack_mm``), w4a8 and w8a8 quantize the activations to int8 per group of 64 and multiply
-integers. Sections (``--only``):
+Each group holds the same quantized weights (``lab.quantize``): int4 and int8 multiply bf16
+activations by weights widened to floating point, in torch's kernels (``int4 torch``, ``int8 torch``:
+``torch.ops.aten._weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``, what ``kernels=False``
+keeps) and in lab.intmm's (``int4_mm``, ``int8_mm``); w4a8 and w8a8 quantize the activations to int8
+per group of 64 and multiply integers. Sections (``--only``):
 
 - ``fixed``: a tiny product (16 outputs x 64 inputs) at 1 row, as the model calls it (a
   ``QuantizedLinear`` with a bias, bf16 rows in and out): what a call costs besides its arithmetic,
@@ -19,11 +21,12 @@ integers. Sections (``--only``):
 - ``decode``: batch-1 greedy decoding on ``gpt2-random``, eager, ms/token over 32 tokens after a
   32-token prompt (``lab.decode.greedy_ms_per_token``).
 
-With ``--instruction-sets``, each integer product runs in each of them (``lab.intmm.instruction_set``;
+With ``--instruction-sets``, each of lab.intmm's products runs in each of them (``lab.intmm.instruction_set``;
 each must be one this CPU has), each its own configuration, with the ratios of each to the first.
 
 Configurations are interleaved round by round (``lab.measure.interleaved``); the median over rounds
-and each pair's weight-only / integer ratio are reported, with the machine, the load and the wait policy.
+and torch's time over each of lab.intmm's on the same weights are reported, with the machine, the load
+and the wait policy.
 """
 
 from __future__ import annotations
@@ -46,9 +49,10 @@ from lab.quantize import QuantizedLinear
 from lab.threads import USER_WAIT_POLICY
 from lab.weights import load_model
 
-PAIRS = (("int4", "w4a8"), ("int8", "w8a8"))
-"""Torch's weight-only kernel and the integer product on the same weights."""
-DTYPES = tuple(dtype for pair in PAIRS for dtype in pair)
+GROUPS = {"int4 torch": ("int4", "w4a8"), "int8 torch": ("int8", "w8a8")}
+"""Torch's weight-only kernel, and lab.intmm's products on the same weights: weight-only and integer."""
+CONFIGURATIONS = tuple(name for baseline, ours in GROUPS.items() for name in (baseline, *ours))
+OURS = tuple(name for ours in GROUPS.values() for name in ours)
 ROWS = (1, 4, 20, 80)
 PROMPTS = (20, 80)
 SECTIONS = ("fixed", "products", "prefill", "decode")
@@ -69,7 +73,7 @@ def layer_measures(name: str, n: int, k: int, rows: tuple[int, ...], repeats: in
     ``repeats`` calls, in ms times ``unit``."""
     torch.manual_seed(0)
     weight, bias = torch.randn(n, k) * 0.05, torch.randn(n) * 0.01
-    layers = {dtype: QuantizedLinear(weight, bias, dtype) for dtype in DTYPES}
+    layers = {name: QuantizedLinear(weight, bias, *dtype_and_kernels(name)) for name in CONFIGURATIONS}
     measures = {}
     for count in rows:
         x = torch.randn(count, k).to(torch.bfloat16)  # [rows, K]: the model's activations
@@ -85,8 +89,17 @@ def timed(layer: QuantizedLinear, x: torch.Tensor, repeats: int) -> float:
     return best_ms(lambda: layer(x), repeats)
 
 
+def dtype_and_kernels(name: str) -> tuple[str, bool]:
+    """A configuration's dtype, and whether lab.intmm computes it (``int4 torch``: int4, False)."""
+    dtype, _, torch_kernels = name.partition(" ")
+    return dtype, not torch_kernels
+
+
 def model_measures(sections: tuple[str, ...]) -> dict:
-    models = {dtype: load_model("gpt2-random", dtype) for dtype in DTYPES}
+    models = {}
+    for name in CONFIGURATIONS:
+        dtype, kernels = dtype_and_kernels(name)
+        models[name] = load_model("gpt2-random", dtype, kernels=kernels)
     measures = {}
     if "prefill" in sections:
         for length in PROMPTS:
@@ -105,11 +118,12 @@ def model_measures(sections: tuple[str, ...]) -> dict:
 
 
 def in_each(measures: dict, instruction_sets: tuple[str, ...]) -> dict:
-    """``measures`` with each integer product's measure once per instruction set (named ``NAME SET``)."""
-    integer = tuple(f" {integer}" for _, integer in PAIRS)
+    """``measures`` with each of lab.intmm's products' measure once per instruction set (named ``NAME
+    SET``)."""
+    ours = tuple(f" {name}" for name in OURS)
     out = {}
     for name, measure in measures.items():
-        if not name.endswith(integer) or not instruction_sets:
+        if not name.endswith(ours) or not instruction_sets:
             out[name] = measure
             continue
         for chosen in instruction_sets:
@@ -173,22 +187,22 @@ def main(
         intmm.instruction_set(default_set)
         ratios = {}
         suffixes = [f" {chosen}" for chosen in instruction_sets] or [""]
-        for weight_only, integer in PAIRS:
-            names = [name.removesuffix(f" {integer}") for name in measures if name.endswith(f" {integer}")]
-            for name in names:
-                slow = ms[f"{name} {weight_only}"]
+        for baseline, ours in GROUPS.items():
+            names = [name.removesuffix(f" {baseline}") for name in measures if name.endswith(f" {baseline}")]
+            for name, product in ((name, product) for name in names for product in ours):
+                slow = ms[f"{name} {baseline}"]
                 for suffix in suffixes:
-                    fast = ms[f"{name} {integer}{suffix}"]
-                    ratios[f"{name} {weight_only} / {integer}{suffix}"] = slow / fast
+                    fast = ms[f"{name} {product}{suffix}"]
+                    ratios[f"{name} {baseline} / {product}{suffix}"] = slow / fast
                     print(
-                        f"{count} thread(s), {name:>36}: {weight_only} {slow:8.3f}, "
-                        f"{integer}{suffix} {fast:8.3f}, {slow / fast:.2f}x"
+                        f"{count} thread(s), {name:>36}: {baseline} {slow:8.3f}, "
+                        f"{product}{suffix} {fast:8.3f}, {slow / fast:.2f}x"
                     )
                 for suffix in suffixes[1:]:
-                    first, other = ms[f"{name} {integer}{suffixes[0]}"], ms[f"{name} {integer}{suffix}"]
-                    ratios[f"{name} {integer}{suffixes[0]} / {integer}{suffix}"] = first / other
+                    first, other = ms[f"{name} {product}{suffixes[0]}"], ms[f"{name} {product}{suffix}"]
+                    ratios[f"{name} {product}{suffixes[0]} / {product}{suffix}"] = first / other
         run = {"threads": count, "load_before": load_before, "load_after": os.getloadavg(), "ms": ms}
-        results["runs"].append(run | {"weight_only_over_integer": ratios})
+        results["runs"].append(run | {"torch_over_ours": ratios})
     text = dumps(results, indent=2)
     print(text)
     if json:

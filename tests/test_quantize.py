@@ -305,7 +305,8 @@ def test_integer_products_without_their_kernels_are_refused_saying_why(monkeypat
 @NO_KERNELS
 def test_weight_only_products_are_lab_intmms_where_it_takes_their_widths():
     """int8 of any width and int4 of widths that are multiples of 64 take lab.intmm's products; int4 of
-    other widths (groups of 32) keeps torch's kernel, the product of the same weights either way."""
+    other widths (groups of 32), and both with ``kernels=False``, keep torch's kernels: the product
+    of the same weights either way."""
     torch.manual_seed(0)
     weight, bias = torch.randn(40, 96) * 0.05, torch.randn(40)
     x = torch.randn(3, 96, dtype=torch.bfloat16)
@@ -316,3 +317,9 @@ def test_weight_only_products_are_lab_intmms_where_it_takes_their_widths():
     codes, scales_and_zeros = quantize_groups_int4(weight, 32)
     expected = x.float() @ dequantize_int4(codes, scales_and_zeros.to(torch.bfloat16)).t() + bias
     torch.testing.assert_close(torch_int4(x).float(), expected, atol=2e-2, rtol=2e-2)
+    for dtype in ("int8", "int4"):  # kernels=False: torch's, the baseline; the same predictions
+        ours, theirs = quantize(tiny_model(), dtype), quantize(tiny_model(), dtype, kernels=False)
+        assert ours.blocks[0].mlp.c_fc.kernel == dtype and theirs.blocks[0].mlp.c_fc.kernel is None
+        assert theirs.read_out.kernel is None
+        tokens = torch.randint(0, CFG.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(ours(tokens).float(), theirs(tokens).float(), atol=5e-2, rtol=5e-2)
