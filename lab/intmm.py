@@ -4,6 +4,8 @@
     packed, scales_zeros = intmm.w4a8_pack(codes, scales_and_zeros)    # lab.quantize's int4 codes
     y = intmm.w4a8_matmul(x, packed, scales_zeros, bias, n)             # x [M, K] -> y [M, N]
     y = intmm.w8a8_matmul(x, values, scales, bias)                     # lab.quantize's int8 rows
+    y = intmm.int4_matmul(x, packed, scales_zeros, bias, n)             # weight-only: x as it is
+    y = intmm.int8_matmul(x, values, bf16_scales, bias)                 # weight-only int8 rows
     y = intmm.attend_rows(qkv, k_caches, v_caches, positions, n_head)  # decode attention, every row
     out = intmm.block_rows(BlockWeights(...), x, k_caches, v_caches, positions)  # a whole block's step
     index = intmm.argmax(logits)                                       # greedy decoding's pick, an int
@@ -16,7 +18,10 @@ activations to int8 per block and multiply integers, which AVX2 does 32 at a tim
 64 at a time in one instruction (``lab/kernels/intmm.c`` says how, for both products in both).
 torch ships no such kernel for the CPU; torchao (on the registry) has int8-activation CPU kernels
 aimed at AVX-512 and AMX, not tried here. So they are written here, in one C file, which picks the
-instruction set when it loads (``instruction_set``).
+instruction set when it loads (``instruction_set``). The same file has weight-only products of
+the same weights (``int4_matmul``, ``int8_matmul``: the weights widened to float32, the activations
+as they are), which stream a decode step's weights faster than torch's weight-only kernels;
+lab.quantize's int4 and int8 use them where they build.
 
 x, the bias and y are float32 or bfloat16 (the model's activations), read and written as they are;
 other dtypes are taken as float32. The bias is added before y is rounded to bf16.
@@ -27,7 +32,7 @@ ctypes: plain C needs none of torch's headers, whose build takes a minute. Compi
 ``-fopenmp`` and loaded after torch, it binds to the ``libgomp.so.1`` torch has already loaded, so its
 parallel loops run on torch's threads, as many as ``torch.get_num_threads()``, under the same wait
 policy (``lab.threads``). Inside ``torch.compile`` each product is a custom op,
-``blocklab::w4a8_mm`` and ``blocklab::w8a8_mm``.
+``blocklab::w4a8_mm``, ``blocklab::w8a8_mm``, ``blocklab::int4_mm`` and ``blocklab::int8_mm``.
 
 The same file holds the float32 and bf16 products (``lab.float_kernels``), a decode step's
 attention (``attend_rows``), a whole pre-LN block for a decode step's rows in one call (``block_rows``,
