@@ -39,9 +39,9 @@
  * w4a8's codes are the unsigned operand as they are; w8a8's values are signed, so the activations
  * are offset to unsigned (q + 128) and 128 * sum value taken back out: the same integer dot products
  * as AVX2's. Both w4a8 kernels take up to 4 rows per load of the weights; the AVX-512 w8a8 kernel
- * works on tiles of up to 4 rows by 4 outputs, so one load of the weights serves 4 rows and one of
- * the activations 4 outputs, and 4 outputs' sums proceed at once (one row alone still keeps 4
- * multiply-add chains in flight); the activations are quantized 16 at a time.
+ * takes one output of up to 4 rows at a time for a decode step's rows (NARROW_ROWS), and tiles of up
+ * to 4 rows by 4 outputs for more, so one load of the weights serves 4 rows and one of the
+ * activations 4 outputs; the activations are quantized 16 at a time.
  *
  * Each output is computed by one thread in a fixed order whatever M is and whichever tile it falls
  * in, so a row's result does not depend on the other rows (batch invariance). Built by lab/intmm.py
