@@ -17,7 +17,8 @@ with the same parameters, state dict and hook points as the modules they replace
   so a row's result is the one it gets alone (batch invariance), and a prompt of integer weights gets
   the same whatever chunks it is fed in. Float products take it at one row, or any number under
   ``lab.rows.rows_alone``, as ``lab.float_kernels`` does, and a sequence's tokens up to
-  ``SHORT_RUN`` (a longer float prompt keeps torch's matrix-matrix products); int4 and int8 where
+  ``lab.float_kernels.SHORT_RUN`` (a longer float prompt keeps torch's matrix-matrix products);
+  ``run_stack`` takes a run of such blocks over one sequence in one call. int4 and int8 where
   torch's kernels compute them (``QuantizedLinear.kernel``), other norms, training, gradients,
   ``torch.compile``, and any step while a module of the block is hooked keep the modules' forward,
   which computes the same up to the last bits of a LayerNorm's and a GELU's arithmetic.
@@ -31,19 +32,17 @@ with the same parameters, state dict and hook points as the modules they replace
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
+
 import torch
 from torch import nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from lab import intmm
-from lab.float_kernels import KernelLinear
-from lab.model import GPT, Block, CausalSelfAttention, LayerCache
+from lab.float_kernels import SHORT_RUN, KernelLinear
+from lab.model import GPT, Block, CausalSelfAttention, KVCache, LayerCache
 from lab.quantize import QuantizedLinear
 from lab.rows import taking_rows_alone
-
-SHORT_RUN = 8
-"""A sequence's tokens up to this many (a speculation round's verification: its drafts and one more)
-take the call with float products too; a longer prompt keeps torch's matrix-matrix products."""
 
 
 def uses_block_kernels(device: torch.device | str) -> bool:
@@ -206,19 +205,48 @@ class KernelBlock(Block):
         return weights
 
 
+def run_stack(
+    model: GPT, x: torch.Tensor, blocks: Iterable[int], cache: KVCache | None, pos: int,
+    overwrite: Collection[int],
+) -> torch.Tensor | None:  # fmt: skip
+    """``GPT.run_blocks`` of one sequence's tokens x [1, T, D] over its cache: every block in one call
+    to ``lab.intmm.stack_rows`` where each of them is a ``KernelBlock`` that takes the tokens in one
+    call (``KernelBlock.forward``'s rule), else None (the blocks one by one). [1, T, D]."""
+    B, T, D = x.shape
+    if cache is None or B != 1 or cache.k.size(1) != 1 or not isinstance(pos, int):
+        return None
+    layers = list(blocks)
+    weights = []
+    for i in layers:
+        block = model.blocks[i]
+        if type(block) is not KernelBlock:
+            return None
+        held = block._kernel_weights(x, T, True)
+        if held is None:
+            return None
+        weights.append(held)
+    if not weights:
+        return None
+    flags = [i in overwrite for i in layers] if overwrite else None
+    return intmm.stack_rows(weights, x.reshape(T, D), cache.k, cache.v, layers, pos, flags).view(1, T, D)
+
+
 def use_block_kernels(model: GPT) -> GPT:
-    """Give ``model``'s blocks and their attention the kernels (module docstring), in place; returns it."""
+    """Give ``model``'s blocks and their attention the kernels (module docstring), and its runs of
+    blocks over one sequence the one call (``run_stack``), in place; returns it."""
     for module in model.modules():
         if type(module) is CausalSelfAttention:
             module.__class__ = KernelAttention  # the same parameters; only the rows' attention differs
         elif type(module) is Block:
             module.__class__ = KernelBlock
+    model.run_stack = run_stack
     return model
 
 
 def without_block_calls(model: GPT) -> GPT:
     """``model``'s blocks back to their modules' forward, their attention keeping the kernel, in place:
     the baseline that ``scripts/bench_decode.py`` times the block in one call against."""
+    model.run_stack = None
     for module in model.modules():
         if type(module) is KernelBlock:
             module.__class__ = Block

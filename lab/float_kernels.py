@@ -12,9 +12,9 @@ than cache (docs/inference.md has the rates); lab.intmm's ``f32_mm`` and ``bf16_
 it. This module puts them behind the model's own layers:
 
 - ``KernelLinear`` is a ``lab.model.Linear``, its parameters, state dict and hooks unchanged, whose
-  product is the kernel's for one row, or any number of rows under ``lab.rows.rows_alone`` (each of
-  the kernel's outputs is one fixed-order sum whatever the number of rows: batch-invariant as it
-  is). A prompt's prefill keeps torch's matrix-matrix product, faster over many rows, and so does
+  product is the kernel's for up to ``SHORT_RUN`` rows, or any number under ``lab.rows.rows_alone``
+  (each of the kernel's outputs is one fixed-order sum whatever the number of rows: batch-invariant
+  as it is). A longer prompt's prefill keeps torch's matrix-matrix product, and so does
   anything that needs gradients (training, fitting through the model) or another device or dtype.
 - ``KernelReadOut`` is ``GPT.read_out``: the same product over the token table the model holds (its
   read rows, where ``GPT.compact_read_out`` chose them), no copy.
@@ -35,6 +35,12 @@ from lab.rows import taking_rows_alone
 FLOAT_KERNELS = {torch.float32: intmm.f32_matmul, torch.bfloat16: intmm.bf16_matmul}
 """The weights' dtypes these kernels take, and each one's product."""
 
+SHORT_RUN = 8
+"""Rows up to this many (a speculation round's verification: its drafts and one more) take the kernel
+too, rows alone or not: one load of each weight serves them all, where torch's matrix-matrix product
+of a few rows is slower than its matrix-vector product of one (docs/inference.md); a longer prompt
+keeps torch's product."""
+
 
 def uses_float_kernels(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether ``lab.weights.load_model`` gives a model of ``dtype`` on ``device`` these kernels:
@@ -44,13 +50,13 @@ def uses_float_kernels(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 def _kernel_takes(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel multiplies x2d [N, Din] by ``weight``: rows that decode (one, or each alone),
-    on the CPU, in the weight's dtype, with no gradient to carry."""
+    """Whether the kernel multiplies x2d [N, Din] by ``weight``: rows that decode (a short run, or
+    each alone), on the CPU, in the weight's dtype, with no gradient to carry."""
     if x2d.device.type != "cpu" or x2d.dtype is not weight.dtype or weight.dtype not in FLOAT_KERNELS:
         return False
     if torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad):
         return False  # the kernels have no backward: torch's product carries the gradient
-    return x2d.size(0) == 1 or taking_rows_alone()
+    return x2d.size(0) <= SHORT_RUN or taking_rows_alone()
 
 
 class KernelLinear(Linear):

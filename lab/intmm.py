@@ -35,8 +35,9 @@ policy (``lab.threads``). Inside ``torch.compile`` each product is a custom op,
 ``blocklab::w4a8_mm``, ``blocklab::w8a8_mm``, ``blocklab::int4_mm`` and ``blocklab::int8_mm``.
 
 The same file holds the float32 and bf16 products (``lab.float_kernels``), a decode step's
-attention (``attend_rows``), a whole pre-LN block for a decode step's rows in one call (``block_rows``,
-both behind ``lab.block_kernel``) and greedy decoding's ``argmax``: what a decode
+attention (``attend_rows``), a whole pre-LN block for a decode step's rows in one call (``block_rows``),
+a run of blocks over one sequence's tokens in one call (``stack_rows``; all three behind
+``lab.block_kernel``) and greedy decoding's ``argmax``: what a decode
 step spent in torch's slower kernels, at sizes where a call into torch costs more than the work.
 """
 
@@ -196,6 +197,9 @@ def _library() -> ctypes.CDLL:
     library.attend_rows.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 6
     library.block_rows.restype = ctypes.c_int
     library.block_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 7
+    library.stack_rows.restype = ctypes.c_int
+    library.stack_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    library.stack_rows.argtypes += [ctypes.c_void_p] * 7
     for kernel in (_W4A8, _W8A8, _BF16, _F32, _INT8, _INT4):
         function = getattr(library, kernel.name)
         function.restype = ctypes.c_int
@@ -418,6 +422,55 @@ def block_rows(
         raise MemoryError(f"block_rows: no memory for the activations of {B} rows")
     if status != 0:
         raise ValueError(f"block_rows: weights the kernel does not take (status {status})")
+    return out
+
+
+def stack_rows(
+    weights: list[BlockWeights], x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layers: list[int],
+    pos: int, overwrite: list[bool] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """One sequence's tokens x [T, D] at positions pos .. pos + T - 1 through a run of blocks in one
+    call: ``weights[j]`` (a ``BlockWeights``) over layer ``layers[j]`` of the sequence's cache
+    ``keys``, ``values`` (``lab.model.KVCache``'s k and v, [L, 1, H, T_max, Dh]), each token a row
+    attending causally, as ``block_rows`` over each block in turn computes; ``overwrite[j]``: block j
+    hands on attn_out + mlp_out. [T, D]: the stream leaving the last block."""
+    T, D = x.shape
+    dtype = x.dtype
+    count = len(weights)
+    if not weights or len(layers) != count or overwrite is not None and len(overwrite) != count:
+        raise ValueError(f"stack_rows: a block's weights per layer, got {count} and {len(layers)} layers")
+    if any(w.dtype is not dtype for w in weights) or not x.is_contiguous():
+        raise ValueError(f"stack_rows: x dense {weights[0].dtype} [T, D], got {dtype} {list(x.shape)}")
+    n_head = weights[0].n_head
+    shape = (n_head, keys.size(-2), D // n_head)
+    for cache in (keys, values):
+        if cache.dim() != 5 or cache.size(1) != 1 or cache.shape[2:] != shape or cache.dtype is not dtype:
+            expected = f"{dtype} [L, 1, {', '.join(map(str, shape))}]"
+            raise ValueError(f"stack_rows: caches {expected}, got {cache.dtype} {list(cache.shape)}")
+        if not cache.is_contiguous():
+            raise ValueError("stack_rows: caches dense")
+    t_max = keys.size(-2)
+    if not 0 <= pos <= pos + T <= t_max or not all(0 <= i < keys.size(0) for i in layers):
+        raise ValueError(f"stack_rows: positions {pos}..{pos + T - 1} or layers {layers} outside the caches")
+    layer_bytes = keys.stride(0) * keys.element_size()
+    pointers = ctypes.c_void_p * (count * T)
+    k_base, v_base = keys.data_ptr(), values.data_ptr()
+    k_rows = pointers(*[k_base + i * layer_bytes for i in layers for _ in range(T)])
+    v_rows = pointers(*[v_base + i * layer_bytes for i in layers for _ in range(T)])
+    lengths = (ctypes.c_int64 * (count * T))(*[t_max] * (count * T))
+    positions = (ctypes.c_int64 * T)(*range(pos, pos + T))
+    per_row = None if overwrite is None else [flag for flag in overwrite for _ in range(T)]
+    flags = None if per_row is None else (ctypes.c_uint8 * (count * T))(*per_row)
+    blocks = (ctypes.c_void_p * count)(*[ctypes.addressof(w.struct) for w in weights])
+    out = torch.empty(T, D, dtype=dtype)
+    status = _function("stack_rows")(
+        blocks, count, T, dtype is torch.bfloat16, x.data_ptr(), k_rows, v_rows, lengths, positions, flags,
+        out.data_ptr(),
+    )
+    if status == -1:
+        raise MemoryError(f"stack_rows: no memory for the activations of {T} rows")
+    if status != 0:
+        raise ValueError(f"stack_rows: weights the kernel does not take (status {status})")
     return out
 
 

@@ -324,6 +324,7 @@ class GPT(nn.Module):
         self.ln_f = make_norm(cfg) if cfg.norm in NORM_FIRST else nn.Identity()
         # what multiplies the table's read rows, where not torch: lab.quantize's copy, lab.float_kernels
         self.read_out: nn.Module | None = None
+        self.run_stack: Callable | None = None  # the blocks of one sequence in one call (lab.block_kernel)
         self.read_rows: torch.Tensor | None = None  # [V_read] rows the read-out multiplies (compact_read_out)
         self.read_table: torch.Tensor | None  # [V_read, D] those rows, contiguous
         self.register_buffer("read_table", None, persistent=False)
@@ -458,6 +459,10 @@ class GPT(nn.Module):
         stream passes through unchanged (layer dropout's dropped rows, adaptive exit's exited
         positions). ``after(i, x)`` sees the stream leaving block i (taps, exit checks).
         """
+        if self.run_stack is not None and keep is None and after is None:  # lab.block_kernel: in one call
+            out = self.run_stack(self, x, blocks, cache, pos, overwrite)  # [B, T, D], or None
+            if out is not None:
+                return out
         for i in blocks:
             layer_cache = cache.layer(i) if cache is not None else None
             out = self.blocks[i](x, layer_cache, pos, overwrite=i in overwrite)  # [B, T, D]

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from lab import intmm
-from lab.block_kernel import SHORT_RUN, KernelBlock
+from lab.block_kernel import KernelBlock
 from lab.decode import Decoder, decode_rows
+from lab.float_kernels import SHORT_RUN
 from lab.hooks import capture
-from lab.model import Block, Linear
+from lab.model import Block, KVCache, Linear
 from lab.rows import rows_alone
 from lab.weights import load_model, save_model
 from tests.tiny import TinyModel, assert_rows_alone
@@ -35,10 +36,12 @@ def saved(tmp_path_factory):
 
 @pytest.fixture
 def block_calls(monkeypatch):
-    """How many times ``lab.intmm.block_rows`` ran."""
+    """A 1 for each block lab.intmm ran in one call: alone (``block_rows``) or in a run of blocks
+    (``stack_rows``)."""
     calls = []
-    kernel = intmm.block_rows
-    monkeypatch.setattr(intmm, "block_rows", lambda *args: calls.append(1) or kernel(*args))
+    block, stack = intmm.block_rows, intmm.stack_rows
+    monkeypatch.setattr(intmm, "block_rows", lambda *args: calls.append(1) or block(*args))
+    monkeypatch.setattr(intmm, "stack_rows", lambda *args: calls.extend([1] * len(args[0])) or stack(*args))
     return calls
 
 
@@ -213,3 +216,31 @@ def test_a_prompt_runs_in_one_call_a_row_per_token_and_chunks_change_no_bit(save
         block.__class__ = Block
     modules = Decoder(model, None, max_len=32)
     torch.testing.assert_close(modules.extend(prompt).float(), stream.float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_run_of_blocks_over_a_sequence_is_one_call_with_the_blocks_bits(saved, monkeypatch, kind):
+    """GPT.run_blocks of one sequence's short run (a draft's token, a verification's) is one call to
+    lab.intmm.stack_rows, in any order of blocks, overwrite per block: the stream and the keys and
+    values each block writes are bit for bit those of the blocks called one by one."""
+    model = load_model(saved, kind)
+    dtype = model.wte.weight.dtype if kind in ("float32", "bfloat16") else torch.bfloat16
+    stacks = []
+    stack = intmm.stack_rows
+    monkeypatch.setattr(intmm, "stack_rows", lambda *args: stacks.append(len(args[0])) or stack(*args))
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 3, 64, generator=generator).to(dtype)  # [1, T, D]
+    earlier = torch.randn(2, 3, 1, 4, 16, 16, generator=generator).to(dtype)  # keys, values before pos
+    layers, overwrite, pos = [2, 0, 1], {0}, 5
+    streams, caches = [], []
+    with torch.inference_mode():
+        for run_stack in (model.run_stack, None):
+            model.run_stack = run_stack
+            cache = KVCache(model.config, max_len=16, dtype=dtype)
+            cache.k[..., :pos, :], cache.v[..., :pos, :] = earlier[0, ..., :pos, :], earlier[1, ..., :pos, :]
+            streams.append(model.run_blocks(x, layers, cache, pos, overwrite))
+            caches.append(cache)
+    assert stacks == [3]  # one call for the run; none once the model has no run_stack
+    assert torch.equal(streams[0], streams[1])
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    assert not torch.equal(caches[0].k[:, 0, :, pos], torch.zeros_like(caches[0].k[:, 0, :, pos]))

@@ -395,6 +395,25 @@ TILE_INLINE void w8a8_tile(const int ROWS, const int COLS, int64_t m0, int64_t n
     }                                                                 \
   } while (0)
 
+/* Outputs n0 .. end - 1 of every row, COLS at a time (a constant), 4 rows at a time, each group of rows
+ * over all the outputs before the next: the rows' inputs stay in the first-level cache across the
+ * outputs (a prompt's inputs, M x K floats, do not), the outputs' weights in the second. */
+#define ROW_GROUPS(TILE, COLS, n0, end, p)                                        \
+  do {                                                                            \
+    int64_t m0 = 0;                                                               \
+    for (; m0 + 4 <= (p)->M; m0 += 4)                                             \
+      for (int64_t n = n0; n < end; n += COLS) TILE(4, COLS, m0, n, p);           \
+    for (int64_t n = n0; n < end; n += COLS) switch ((p)->M - m0) {               \
+        case 3: TILE(3, COLS, m0, n, p); break;                                   \
+        case 2: TILE(2, COLS, m0, n, p); break;                                   \
+        case 1: TILE(1, COLS, m0, n, p); break;                                   \
+      }                                                                           \
+  } while (0)
+
+/* Outputs a thread takes at a time in a product of more than NARROW_ROWS rows: 64 weight rows of
+ * K = 3072 are 192 KiB in int8 and 768 KiB in float32, in the second-level cache. */
+#define OUTPUT_CHUNK 64
+
 /* Outputs n0 .. n0 + 3 (fewer at the end) of every row. */
 #define EACH_TILE(TILE, n0, p)                                        \
   switch ((p)->N - (n0) < 4 ? (p)->N - (n0) : 4) {                    \
@@ -455,7 +474,8 @@ int intmm_isa(int request) {
  * fused multiply-adds (bf16 weights widened 8 at a time: a 16-bit shift). */
 
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#define FLOAT_TILE 4
+#define SHORT_SUMS 256
+#define FLOAT_TILE 4 /* the most outputs a float tile takes */
 
 static int avx512_bf16(void) {
   __builtin_cpu_init();
@@ -478,107 +498,145 @@ static inline void float_store(const struct float_product *p, int64_t m, int64_t
   write_output(p->y, p->bias, p->bf16, p->N, m, n, value);
 }
 
-/* Outputs n0 .. n0 + COLS - 1 of every row; COLS and BF16 (the weights' type) constants in each call. */
-static inline AVX512_BF16 __attribute__((always_inline)) void float_tile_avx512(const int BF16, const int COLS,
+/* Outputs n0 .. n0 + COLS - 1 of rows m0 .. m0 + ROWS - 1; BF16 (the weights' type), ROWS and COLS
+ * constants in each call. One load of a weight vector serves the ROWS rows, one of an input vector
+ * the COLS outputs; each (row, output) sums in its own accumulator, the same operations in the same
+ * order whatever the tile (the rows' chains are independent: a row is not held up by the latency of
+ * another's multiply-adds). */
+static inline AVX512_BF16 __attribute__((always_inline)) void float_tile_avx512(const int BF16, const int ROWS,
+                                                                                 const int COLS, int64_t m0,
                                                                                  int64_t n0,
                                                                                  const struct float_product *p) {
   const int64_t K = p->K, step = BF16 ? 32 : 16, full = K / step * step;
   const uint64_t tail = (1ull << (K - full)) - 1; /* the inputs past the last full vector */
-  for (int64_t m = 0; m < p->M; ++m) {
-    __m512 acc[FLOAT_TILE];
-    for (int c = 0; c < COLS; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < full; k += step) {
-      const __m512i a = _mm512_loadu_si512(BF16 ? (const void *)((const uint16_t *)p->x + m * K + k)
-                                                : (const void *)((const float *)p->x + m * K + k));
-      for (int c = 0; c < COLS; ++c) {
-        const int64_t at = (n0 + c) * K + k;
-        if (BF16) {
-          const uint16_t *w = (const uint16_t *)p->weights + at;
-          acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)a, (__m512bh)_mm512_loadu_si512(w));
-        } else {
-          const float *w = (const float *)p->weights + at;
-          acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_castsi512_ps(a), acc[c]);
-        }
-      }
+  __m512 acc[NARROW_ROWS][FLOAT_TILE];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < full; k += step) {
+    __m512i w[FLOAT_TILE];
+    for (int c = 0; c < COLS; ++c)
+      w[c] = _mm512_loadu_si512(BF16 ? (const void *)((const uint16_t *)p->weights + (n0 + c) * K + k)
+                                     : (const void *)((const float *)p->weights + (n0 + c) * K + k));
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t at = (m0 + r) * K + k;
+      const __m512i a = _mm512_loadu_si512(BF16 ? (const void *)((const uint16_t *)p->x + at)
+                                                : (const void *)((const float *)p->x + at));
+      for (int c = 0; c < COLS; ++c)
+        acc[r][c] = BF16 ? _mm512_dpbf16_ps(acc[r][c], (__m512bh)a, (__m512bh)w[c])
+                         : _mm512_fmadd_ps(_mm512_castsi512_ps(w[c]), _mm512_castsi512_ps(a), acc[r][c]);
     }
-    if (tail) {
-      for (int c = 0; c < COLS; ++c) {
-        const int64_t at = (n0 + c) * K + full;
-        if (BF16) {
-          const __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)tail, (const uint16_t *)p->x + m * K + full);
-          const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)tail, (const uint16_t *)p->weights + at);
-          acc[c] = _mm512_dpbf16_ps(acc[c], a, w);
-        } else {
-          const __m512 a = _mm512_maskz_loadu_ps((__mmask16)tail, (const float *)p->x + m * K + full);
-          acc[c] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps((__mmask16)tail, (const float *)p->weights + at), a, acc[c]);
-        }
-      }
-    }
-    for (int c = 0; c < COLS; ++c) float_store(p, m, n0 + c, _mm512_reduce_add_ps(acc[c]));
   }
+  if (tail) {
+    for (int c = 0; c < COLS; ++c) {
+      const int64_t at = (n0 + c) * K + full;
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t from = (m0 + r) * K + full;
+        if (BF16) {
+          const __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)tail, (const uint16_t *)p->x + from);
+          const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)tail, (const uint16_t *)p->weights + at);
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, w);
+        } else {
+          const __m512 a = _mm512_maskz_loadu_ps((__mmask16)tail, (const float *)p->x + from);
+          const __m512 w = _mm512_maskz_loadu_ps((__mmask16)tail, (const float *)p->weights + at);
+          acc[r][c] = _mm512_fmadd_ps(w, a, acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) float_store(p, m0 + r, n0 + c, _mm512_reduce_add_ps(acc[r][c]));
 }
 
-static inline __attribute__((always_inline)) void float_tile_avx2(const int BF16, const int COLS, int64_t n0,
+static inline __attribute__((always_inline)) void float_tile_avx2(const int BF16, const int ROWS, const int COLS,
+                                                                   int64_t m0, int64_t n0,
                                                                    const struct float_product *p) {
   const int64_t K = p->K, full = K / 8 * 8;
-  for (int64_t m = 0; m < p->M; ++m) {
-    const float *x = (const float *)p->x + m * K;
-    __m256 acc[FLOAT_TILE];
-    for (int c = 0; c < COLS; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < full; k += 8) {
-      const __m256 a = _mm256_loadu_ps(x + k);
-      for (int c = 0; c < COLS; ++c) {
-        const int64_t at = (n0 + c) * K + k;
-        __m256 w;
-        if (BF16) {
-          const uint16_t *from = (const uint16_t *)p->weights + at;
-          w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)from)), 16));
-        } else {
-          const float *from = (const float *)p->weights + at;
-          w = _mm256_loadu_ps(from);
-        }
-        acc[c] = _mm256_fmadd_ps(w, a, acc[c]);
-      }
-    }
+  const float *x = (const float *)p->x + m0 * K;
+  __m256 acc[NARROW_ROWS][FLOAT_TILE];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < full; k += 8) {
+    __m256 w[FLOAT_TILE];
     for (int c = 0; c < COLS; ++c) {
-      float value = sum_lanes(acc[c]);
+      const int64_t at = (n0 + c) * K + k;
+      w[c] = BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p->weights + at))), 16))
+                  : _mm256_loadu_ps((const float *)p->weights + at);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 a = _mm256_loadu_ps(x + r * K + k);
+      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_fmadd_ps(w[c], a, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) {
+      float value = sum_lanes(acc[r][c]);
       for (int64_t k = full; k < K; ++k) {
         const int64_t at = (n0 + c) * K + k;
-        value += (BF16 ? bf16_to_float(((const uint16_t *)p->weights)[at]) : ((const float *)p->weights)[at]) * x[k];
+        value += (BF16 ? bf16_to_float(((const uint16_t *)p->weights)[at]) : ((const float *)p->weights)[at]) *
+                 x[r * K + k];
       }
-      float_store(p, m, n0 + c, value);
+      float_store(p, m0 + r, n0 + c, value);
     }
-  }
 }
 
-#define EACH_FLOAT_TILE(TILE, BF16, n0, p)                                 \
-  switch ((p)->N - (n0) < FLOAT_TILE ? (p)->N - (n0) : FLOAT_TILE) {      \
-    case 4: TILE(BF16, 4, n0, p); break;                                   \
-    case 3: TILE(BF16, 3, n0, p); break;                                   \
-    case 2: TILE(BF16, 2, n0, p); break;                                   \
-    case 1: TILE(BF16, 1, n0, p); break;                                   \
-  }
+/* The tiles as EACH_ROW and ROW_GROUPS call them, TILE(ROWS, COLS, m0, n0, p), per version and type. */
+static inline AVX512_BF16 __attribute__((always_inline)) void bf16_tile_avx512(const int ROWS, const int COLS,
+                                                                                int64_t m0, int64_t n0,
+                                                                                const struct float_product *p) {
+  float_tile_avx512(1, ROWS, COLS, m0, n0, p);
+}
 
-/* One parallel loop per version and weight type, as for the integer products above: outputs one at a
- * time for a decode step's rows (NARROW_ROWS), else in tiles. */
-#define FLOAT_PRODUCT(TILE, BF16, p)                                                    \
-  do {                                                                                  \
-    if ((p)->M <= NARROW_ROWS) {                                                        \
-      _Pragma("omp parallel for schedule(static)")                                      \
-      for (int64_t n = 0; n < (p)->N; ++n) TILE(BF16, 1, n, p);                         \
-    } else {                                                                            \
-      _Pragma("omp parallel for schedule(static)")                                      \
-      for (int64_t n0 = 0; n0 < (p)->N; n0 += FLOAT_TILE) EACH_FLOAT_TILE(TILE, BF16, n0, p); \
-    }                                                                                   \
+static inline AVX512_BF16 __attribute__((always_inline)) void f32_tile_avx512(const int ROWS, const int COLS,
+                                                                               int64_t m0, int64_t n0,
+                                                                               const struct float_product *p) {
+  float_tile_avx512(0, ROWS, COLS, m0, n0, p);
+}
+
+static inline __attribute__((always_inline)) void bf16_tile_avx2(const int ROWS, const int COLS, int64_t m0,
+                                                                  int64_t n0, const struct float_product *p) {
+  float_tile_avx2(1, ROWS, COLS, m0, n0, p);
+}
+
+static inline __attribute__((always_inline)) void f32_tile_avx2(const int ROWS, const int COLS, int64_t m0,
+                                                                 int64_t n0, const struct float_product *p) {
+  float_tile_avx2(0, ROWS, COLS, m0, n0, p);
+}
+
+/* One parallel loop per version and weight type. A decode step's rows (NARROW_ROWS) take one output
+ * at a time, all the rows together (one weight stream per thread, each weight loaded once for them);
+ * more rows take OUTPUT_CHUNK outputs a thread, in tiles of 4 rows by COLS outputs (ROW_GROUPS), the
+ * outputs past the last full tile one at a time. */
+#define FLOAT_PRODUCT(TILE, COLS, p)                                                      \
+  do {                                                                                    \
+    if ((p)->M == 1) {                                                                    \
+      _Pragma("omp parallel for schedule(static)")                                        \
+      for (int64_t n = 0; n < (p)->N; ++n) TILE(1, 1, 0, n, p);                           \
+    } else if ((p)->M <= NARROW_ROWS) {                                                   \
+      _Pragma("omp parallel for schedule(static)")                                        \
+      for (int64_t n = 0; n < (p)->N; ++n) EACH_ROW(TILE, 1, n, p);                       \
+    } else {                                                                              \
+      const int64_t tiled = (p)->N / (COLS) * (COLS);                                     \
+      if ((p)->K <= SHORT_SUMS) {                                                         \
+        _Pragma("omp parallel for schedule(static)")                                      \
+        for (int64_t n0 = 0; n0 < tiled; n0 += COLS)                                      \
+          for (int64_t m = 0; m < (p)->M; ++m) TILE(1, COLS, m, n0, p);                   \
+      } else {                                                                            \
+        _Pragma("omp parallel for schedule(static)")                                      \
+        for (int64_t n0 = 0; n0 < tiled; n0 += COLS) EACH_ROW(TILE, COLS, n0, p);         \
+      }                                                                                   \
+      for (int64_t n = tiled; n < (p)->N; ++n) EACH_ROW(TILE, 1, n, p);                   \
+    }                                                                                     \
   } while (0)
 
-static AVX512_BF16 void bf16_avx512(const struct float_product *p) { FLOAT_PRODUCT(float_tile_avx512, 1, p); }
+/* AVX2 has 16 vector registers: 4 rows by 2 outputs keep 8 sums in them. */
+static AVX512_BF16 void bf16_avx512(const struct float_product *p) { FLOAT_PRODUCT(bf16_tile_avx512, 4, p); }
 
-static AVX512_BF16 void f32_avx512(const struct float_product *p) { FLOAT_PRODUCT(float_tile_avx512, 0, p); }
+static AVX512_BF16 void f32_avx512(const struct float_product *p) { FLOAT_PRODUCT(f32_tile_avx512, 4, p); }
 
-static void bf16_avx2(const struct float_product *p) { FLOAT_PRODUCT(float_tile_avx2, 1, p); }
+static void bf16_avx2(const struct float_product *p) { FLOAT_PRODUCT(bf16_tile_avx2, 2, p); }
 
-static void f32_avx2(const struct float_product *p) { FLOAT_PRODUCT(float_tile_avx2, 0, p); }
+static void f32_avx2(const struct float_product *p) { FLOAT_PRODUCT(f32_tile_avx2, 2, p); }
 
 /* Weight-only products: integer weights times floating-point inputs, sums in float32, what torch's
  * int8 and int4 kernels compute (weights widened to float), at the rate the weights stream.
@@ -641,25 +699,6 @@ static inline __attribute__((always_inline)) void int8_rows_avx2(const int ROWS,
     float_store(p, m0 + r, n, scale * value);
   }
 }
-
-/* Outputs n0 .. end - 1 of every row, COLS at a time (a constant), 4 rows at a time, each group of rows
- * over all the outputs before the next: the rows' inputs stay in the first-level cache across the
- * outputs (a prompt's inputs, M x K floats, do not), the outputs' weights in the second. */
-#define ROW_GROUPS(TILE, COLS, n0, end, p)                                        \
-  do {                                                                            \
-    int64_t m0 = 0;                                                               \
-    for (; m0 + 4 <= (p)->M; m0 += 4)                                             \
-      for (int64_t n = n0; n < end; n += COLS) TILE(4, COLS, m0, n, p);           \
-    for (int64_t n = n0; n < end; n += COLS) switch ((p)->M - m0) {               \
-        case 3: TILE(3, COLS, m0, n, p); break;                                   \
-        case 2: TILE(2, COLS, m0, n, p); break;                                   \
-        case 1: TILE(1, COLS, m0, n, p); break;                                   \
-      }                                                                           \
-  } while (0)
-
-/* Outputs a thread takes at a time in a product of more than NARROW_ROWS rows: 64 int8 rows of K = 3072
- * are 192 KiB, in the second-level cache. */
-#define OUTPUT_CHUNK 64
 
 /* One parallel loop per kernel, as FLOAT_PRODUCT: a decode step's rows (NARROW_ROWS) take COLS
  * outputs at a time, more rows OUTPUT_CHUNK outputs a thread in ROW_GROUPS. */
@@ -1248,4 +1287,19 @@ int block_rows(const struct block_weights *w, int64_t B, int bf16, const void *x
   if ((w->n_head * w->head_dim) % 8) return -3;
   if (bf16) return block_rows_of(1, w, B, x, k_caches, v_caches, t_max, pos, overwrite, out);
   return block_rows_of(0, w, B, x, k_caches, v_caches, t_max, pos, overwrite, out);
+}
+
+/* out [B, D] from the stream x [B, D] through `count` blocks in turn, each as block_rows: blocks[i]
+ * over its caches k_caches[i * B + b], v_caches[i * B + b] ([H, t_max[i * B + b], Dh]), every block at
+ * the rows' positions pos [B]; overwrite [count * B] (or NULL) per block and row. One call for a run
+ * of blocks (a draft's, a verification's): each block reads the stream before it writes its output,
+ * so the blocks after the first run in place in out. Returns as block_rows. */
+int stack_rows(const struct block_weights *const *blocks, int64_t count, int64_t B, int bf16, const void *x,
+               void *const *k_caches, void *const *v_caches, const int64_t *t_max, const int64_t *pos,
+               const uint8_t *overwrite, void *out) {
+  int status = 0;
+  for (int64_t i = 0; i < count && status == 0; ++i)
+    status = block_rows(blocks[i], B, bf16, i == 0 ? x : out, k_caches + i * B, v_caches + i * B, t_max + i * B,
+                        pos, overwrite == NULL ? NULL : overwrite + i * B, out);
+  return status;
 }
