@@ -213,8 +213,10 @@ def run_stack(
     to ``lab.intmm.stack_rows`` where each of them is a ``KernelBlock`` that takes the tokens in one
     call (``KernelBlock.forward``'s rule), else None (the blocks one by one). [1, T, D]."""
     B, T, D = x.shape
-    if cache is None or B != 1 or cache.k.size(1) != 1 or not isinstance(pos, int):
+    if cache is None or B != 1 or not isinstance(pos, int):
         return None
+    if not isinstance(cache.k, torch.Tensor) or cache.k.size(1) != 1:
+        return None  # lab.fast's caches hold a tensor per layer; a batch's cache several sequences
     layers = list(blocks)
     weights = []
     for i in layers:

@@ -213,6 +213,13 @@ def _decode_together(
     x = model.embed_tokens(idx, torch.tensor(positions, device=device))  # [B, 1, D]
     ran = [0] * B  # blocks each row has run
     going = [True] * B  # False once an adaptive row exits
+    if B == 1 and model.run_stack is not None and not decoders[0].block_set.is_adaptive:
+        # one row through its blocks in one call (lab.block_kernel), the same sums block by block
+        decoder = decoders[0]
+        overwrite = decoder.block_set.overwrite
+        out = model.run_stack(model, x, decoder.blocks, decoder.cache, positions[0], overwrite)  # or None
+        if out is not None:
+            x, ran, going = out, [len(decoder.blocks)], [False]  # [1, 1, D]
     read_before: list[torch.Tensor | None] = [None] * B  # ln_f before the block just run, once checking
     for i, block in enumerate(model.blocks):
         rows = [b for b in range(B) if going[b] and i in decoders[b].runs]

@@ -12,6 +12,7 @@ import torch
 from lab import intmm
 from lab.block_kernel import KernelBlock
 from lab.decode import Decoder, decode_rows
+from lab.fast import layers_apart
 from lab.float_kernels import SHORT_RUN
 from lab.hooks import capture
 from lab.model import Block, KVCache, Linear
@@ -244,3 +245,14 @@ def test_a_run_of_blocks_over_a_sequence_is_one_call_with_the_blocks_bits(saved,
     assert torch.equal(streams[0], streams[1])
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
     assert not torch.equal(caches[0].k[:, 0, :, pos], torch.zeros_like(caches[0].k[:, 0, :, pos]))
+
+
+def test_caches_held_a_tensor_per_layer_run_the_blocks_one_by_one(saved, block_calls):
+    """lab.fast's caches (``layers_apart``: a tensor per layer) are no [L, ...] tensor for the one
+    call: the blocks run one by one, each in its own call, computing the same."""
+    model = load_model(saved, "float32")
+    x = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(4))  # [1, T, D]
+    with torch.inference_mode():
+        whole = model.run_blocks(x, [0, 1, 2], KVCache(model.config, max_len=8))
+        apart = model.run_blocks(x, [0, 1, 2], layers_apart(KVCache(model.config, max_len=8)))
+    assert torch.equal(whole, apart) and len(block_calls) == 6

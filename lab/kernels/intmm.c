@@ -462,9 +462,11 @@ int intmm_isa(int request) {
  *
  * torch's matrix-vector products stream these at a fraction of the memory's rate (bf16: widening
  * the weights; float32 from memory rather than cache: docs/inference.md); these stream them at it.
- * A decode step's rows take one output at a time (NARROW_ROWS), more rows a tile of 4 outputs of one
- * input row at a time; the weights of an output or a tile (K or 4 * K values) stay in the first-level
- * cache across the input rows, so they stream from memory once per call. They take no software
+ * A decode step's rows take one output at a time (NARROW_ROWS), each weight vector loaded once for
+ * all of them; more rows take tiles of 4 rows by 4 outputs (AVX2: 2), one load serving 4 sums, or,
+ * for sums of at most SHORT_SUMS inputs, tiles of one row by 4 outputs (there a tile's 16 sums cost
+ * more to reduce and store than its loads save); the weights of an output or a tile stay in the
+ * first-level cache across the input rows, so they stream from memory once per call. They take no software
  * prefetch: one weight row after another is a stream the hardware prefetcher follows, and asking
  * for lines ahead of it slowed these products on a Zen 4 EPYC. Each
  * output's sum runs over the inputs in a fixed order (vector lanes, then one fixed reduction of the
@@ -474,7 +476,7 @@ int intmm_isa(int request) {
  * fused multiply-adds (bf16 weights widened 8 at a time: a 16-bit shift). */
 
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#define SHORT_SUMS 256
+#define SHORT_SUMS 256 /* K up to this: float tiles of one row (below) */
 #define FLOAT_TILE 4 /* the most outputs a float tile takes */
 
 static int avx512_bf16(void) {
@@ -603,10 +605,10 @@ static inline __attribute__((always_inline)) void f32_tile_avx2(const int ROWS, 
   float_tile_avx2(0, ROWS, COLS, m0, n0, p);
 }
 
-/* One parallel loop per version and weight type. A decode step's rows (NARROW_ROWS) take one output
- * at a time, all the rows together (one weight stream per thread, each weight loaded once for them);
- * more rows take OUTPUT_CHUNK outputs a thread, in tiles of 4 rows by COLS outputs (ROW_GROUPS), the
- * outputs past the last full tile one at a time. */
+/* One parallel loop per version and weight type. One row: one output at a time. A decode step's rows
+ * (NARROW_ROWS): one output at a time, all the rows together (one weight stream per thread, each
+ * weight loaded once for them). More rows: tiles of COLS outputs, over every row 4 at a time (one row
+ * at a time for short sums, SHORT_SUMS); the outputs past the last full tile one at a time. */
 #define FLOAT_PRODUCT(TILE, COLS, p)                                                      \
   do {                                                                                    \
     if ((p)->M == 1) {                                                                    \
