@@ -233,6 +233,74 @@ def run_stack(
     return intmm.stack_rows(weights, x.reshape(T, D), cache.k, cache.v, layers, pos, flags).view(1, T, D)
 
 
+class DraftKernel:
+    """A greedy draft step of ``lab.speculate`` over a draft vocabulary in one call to
+    ``lab.intmm.draft_row``: the token embedded, through the drafting blocks (``run_stack``'s rule),
+    the tuned lens's translator of the last of them (full rank), the final LayerNorm and the draft
+    vocabulary's rows, on a float32 model on the CPU. What the eager draft computes, up to the last
+    bits of the norm's and the products' sums: a draft is a guess, and the verification keeps the
+    tokens the full set's."""
+
+    def __init__(self, model: GPT, head: intmm.DraftHead):
+        self.head = head
+        self.probe = torch.empty(1, 1, model.config.n_embd)  # [1, 1, D]: what the blocks' rule is asked about
+        self.hookable = (model.wte, model.wpe, model.drop, model.embed, model.ln_f)
+
+    @classmethod
+    def build(cls, model: GPT, lens, exit_block: int | None, table: torch.Tensor, bias: torch.Tensor):
+        """The kernel for drafts read out over ``table`` [N, D] and ``bias`` [N] (the draft vocabulary),
+        through ``lens``'s translator of ``exit_block`` (None: the logit lens); None where the model,
+        the lens or the tables are not what it reads."""
+        norm = model.ln_f
+        if model.run_stack is None or type(norm) is not nn.LayerNorm:
+            return None
+        if model.wte.weight.dtype is not torch.float32:
+            return None
+        if norm.weight is None or model.wte.weight.device.type != "cpu":
+            return None
+        translator = None
+        if exit_block is not None:
+            if lens.weight is None:  # a low-rank translator: two products, the eager draft's
+                return None
+            translator = (lens.weight[exit_block], lens.bias[exit_block])  # [D, D], [D]
+        ln_bias = None if norm.bias is None else norm.bias.detach()
+        try:
+            head = intmm.DraftHead(
+                model.wte.weight.detach(), model.wpe.weight.detach(), translator,
+                (norm.weight.detach(), ln_bias, norm.eps), table, bias,
+            )  # fmt: skip
+        except ValueError:
+            return None
+        return cls(model, head)
+
+    def __call__(
+        self, model: GPT, blocks: list[int], cache: KVCache, token: int, pos: int, overwrite: Collection[int],
+        read: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # fmt: skip
+        """The stream leaving ``blocks`` for ``token`` at ``pos`` [1, 1, D] and the draft's logits [N]
+        (None without ``read``: a round's last token, fed for the verification), writing the blocks'
+        keys and values; None where this step cannot take the call (a hook, training, a block the one
+        call does not take, lab.fast's caches)."""
+        if model.training or _global_forward_hooks or _global_forward_pre_hooks or not blocks:
+            return None
+        for module in self.hookable:
+            if module._forward_hooks or module._forward_pre_hooks:
+                return None
+        if not isinstance(cache.k, torch.Tensor) or cache.k.size(1) != 1:
+            return None
+        weights = []
+        for i in blocks:
+            block = model.blocks[i]
+            held = block._kernel_weights(self.probe, 1, True) if type(block) is KernelBlock else None
+            if held is None:
+                return None
+            weights.append(held)
+        flags = [i in overwrite for i in blocks] if overwrite else None
+        head = self.head
+        stream, logits, _ = intmm.draft_row(weights, head, token, pos, cache.k, cache.v, blocks, flags, read)
+        return stream.view(1, 1, -1), logits
+
+
 def use_block_kernels(model: GPT) -> GPT:
     """Give ``model``'s blocks and their attention the kernels (module docstring), and its runs of
     blocks over one sequence the one call (``run_stack``), in place; returns it."""

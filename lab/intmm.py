@@ -200,6 +200,9 @@ def _library() -> ctypes.CDLL:
     library.stack_rows.restype = ctypes.c_int
     library.stack_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     library.stack_rows.argtypes += [ctypes.c_void_p] * 7
+    library.draft_row.restype = ctypes.c_int64
+    library.draft_row.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    library.draft_row.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 6
     for kernel in (_W4A8, _W8A8, _BF16, _F32, _INT8, _INT4):
         function = getattr(library, kernel.name)
         function.restype = ctypes.c_int
@@ -425,15 +428,12 @@ def block_rows(
     return out
 
 
-def stack_rows(
+def _stack_arguments(
     weights: list[BlockWeights], x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layers: list[int],
-    pos: int, overwrite: list[bool] | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """One sequence's tokens x [T, D] at positions pos .. pos + T - 1 through a run of blocks in one
-    call: ``weights[j]`` (a ``BlockWeights``) over layer ``layers[j]`` of the sequence's cache
-    ``keys``, ``values`` (``lab.model.KVCache``'s k and v, [L, 1, H, T_max, Dh]), each token a row
-    attending causally, as ``block_rows`` over each block in turn computes; ``overwrite[j]``: block j
-    hands on attn_out + mlp_out. [T, D]: the stream leaving the last block."""
+    pos: int, overwrite: list[bool] | None,
+) -> tuple[ctypes.Array, ...]:  # fmt: skip
+    """``stack_rows``'s arguments checked, as C reads them: the rows' positions, each (block, row)'s
+    keys' and values' pointers and lengths, the overwrite flags (or None)."""
     T, D = x.shape
     dtype = x.dtype
     count = len(weights)
@@ -461,17 +461,107 @@ def stack_rows(
     positions = (ctypes.c_int64 * T)(*range(pos, pos + T))
     per_row = None if overwrite is None else [flag for flag in overwrite for _ in range(T)]
     flags = None if per_row is None else (ctypes.c_uint8 * (count * T))(*per_row)
-    blocks = (ctypes.c_void_p * count)(*[ctypes.addressof(w.struct) for w in weights])
+    return positions, k_rows, v_rows, lengths, flags
+
+
+def stack_rows(
+    weights: list[BlockWeights], x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layers: list[int],
+    pos: int, overwrite: list[bool] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """One sequence's tokens x [T, D] at positions pos .. pos + T - 1 through a run of blocks in one
+    call: ``weights[j]`` (a ``BlockWeights``) over layer ``layers[j]`` of the sequence's cache
+    ``keys``, ``values`` (``lab.model.KVCache``'s k and v, [L, 1, H, T_max, Dh]), each token a row
+    attending causally, as ``block_rows`` over each block in turn computes; ``overwrite[j]``: block j
+    hands on attn_out + mlp_out. [T, D]: the stream leaving the last block."""
+    T, D = x.shape
+    arguments = _stack_arguments(weights, x, keys, values, layers, pos, overwrite)
+    positions, k_rows, v_rows, lengths, flags = arguments
+    blocks = (ctypes.c_void_p * len(weights))(*[ctypes.addressof(w.struct) for w in weights])
+    dtype = x.dtype
     out = torch.empty(T, D, dtype=dtype)
     status = _function("stack_rows")(
-        blocks, count, T, dtype is torch.bfloat16, x.data_ptr(), k_rows, v_rows, lengths, positions, flags,
-        out.data_ptr(),
+        blocks, len(weights), T, dtype is torch.bfloat16, x.data_ptr(), k_rows, v_rows, lengths, positions,
+        flags, out.data_ptr(),
     )
     if status == -1:
         raise MemoryError(f"stack_rows: no memory for the activations of {T} rows")
     if status != 0:
         raise ValueError(f"stack_rows: weights the kernel does not take (status {status})")
     return out
+
+
+class _DraftHead(ctypes.Structure):
+    """lab/kernels/intmm.c's ``struct draft_head``."""
+
+    _fields_ = [
+        *[(name, ctypes.c_void_p) for name in ("wte", "wpe", "translator", "translator_bias")],
+        ("ln_weight", ctypes.c_void_p), ("ln_bias", ctypes.c_void_p), ("eps", ctypes.c_double),
+        ("table", ctypes.c_void_p), ("table_bias", ctypes.c_void_p),
+        ("n", ctypes.c_int64), ("d", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+class DraftHead:
+    """What ``draft_row`` reads a draft's token out through, float32 and dense: the token and position
+    tables wte [V, D] and wpe [T, D]; the translator (None: the logit lens) as its weight [D_in, D_out]
+    and bias [D], ``h + h weight + bias``; the final norm's weight, bias (or None) and eps; the draft
+    vocabulary's rows of the token table [N, D] and their biases [N]. It holds the tensors."""
+
+    def __init__(
+        self, wte: torch.Tensor, wpe: torch.Tensor, translator: tuple[torch.Tensor, torch.Tensor] | None,
+        norm: tuple[torch.Tensor, torch.Tensor | None, float], table: torch.Tensor, table_bias: torch.Tensor,
+    ):  # fmt: skip
+        D = wte.size(1)
+        weight, bias = (None, None) if translator is None else translator
+        weight = None if weight is None else weight.t().contiguous()  # [D_out, D_in]: f32_mm's layout
+        ln_weight, ln_bias, eps = norm
+        N = table.size(0)
+        shapes = [
+            (wte, (wte.size(0), D)), (wpe, (wpe.size(0), D)), (weight, (D, D)), (bias, (D,)),
+            (ln_weight, (D,)), (ln_bias, (D,)), (table, (N, D)), (table_bias, (N,)),
+        ]  # fmt: skip
+        for tensor, shape in shapes:
+            if tensor is None:
+                continue
+            dense = tensor.is_contiguous() and tuple(tensor.shape) == shape
+            if tensor.dtype is not torch.float32 or not dense:
+                got = f"{tensor.dtype} {list(tensor.shape)}"
+                raise ValueError(f"draft_row: dense float32 {list(shape)}, got {got}")
+        if D % 8:
+            raise ValueError(f"draft_row: widths that are multiples of 8, got {D}")
+        self.tensors = [tensor for tensor, _ in shapes]
+        self.positions, self.n = wpe.size(0), table.size(0)
+        pointers = [None if tensor is None else tensor.data_ptr() for tensor, _ in shapes]
+        self.struct = _DraftHead(*pointers[:6], eps, *pointers[6:], self.n, D)
+
+
+def draft_row(
+    weights: list[BlockWeights], head: DraftHead, token: int, pos: int, keys: torch.Tensor,
+    values: torch.Tensor, layers: list[int], overwrite: list[bool] | None = None, read: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:  # fmt: skip
+    """One greedy draft step of one sequence in one call, float32: ``token`` at ``pos`` through the
+    blocks ``weights`` over layers ``layers`` of its cache (as ``stack_rows`` for one token), then,
+    where ``read``, through ``head`` (translator, final norm, the draft vocabulary's rows). The stream
+    leaving the blocks [D], the logits [N] and the index of the largest (the first of equals); None
+    and 0 without ``read``."""
+    D = head.struct.d
+    if any(w.dtype is not torch.float32 for w in weights) or len(layers) != len(weights) or not weights:
+        raise ValueError("draft_row: float32 blocks, one per layer")
+    if not 0 <= pos < min(head.positions, keys.size(-2)):
+        raise ValueError(f"draft_row: position {pos} outside the tables or the caches")
+    x = torch.empty(1, D)  # stands for the embedded token in the caches' check
+    _, k_rows, v_rows, lengths, flags = _stack_arguments(weights, x, keys, values, layers, pos, overwrite)
+    blocks = (ctypes.c_void_p * len(weights))(*[ctypes.addressof(w.struct) for w in weights])
+    stream, logits = torch.empty(D), torch.empty(head.n) if read else None
+    index = _function("draft_row")(
+        blocks, len(weights), ctypes.byref(head.struct), token, pos, k_rows, v_rows, lengths, flags,
+        stream.data_ptr(), None if logits is None else logits.data_ptr(),
+    )
+    if index == -1:
+        raise MemoryError("draft_row: no memory for the draft's activations")
+    if index < 0:
+        raise ValueError(f"draft_row: weights the kernel does not take (status {index})")
+    return stream, logits, index
 
 
 def argmax(x: torch.Tensor) -> int:

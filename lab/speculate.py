@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lab.block_kernel import DraftKernel
 from lab.blocks import BlockSet
 from lab.decode import Decoder
 from lab.errors import UserError
@@ -94,6 +95,10 @@ class Speculator:
         self.draft_exit = [exit_translator(self.lens, self.draft_blocks)]
         size = block_set.draft_vocabulary
         self.vocabulary = None if size is None else DraftVocabulary(model, size)
+        self.draft_kernel = None  # the eager draft step in one call (lab.block_kernel), where it takes it
+        if self.vocabulary is not None:
+            table, bias = self.vocabulary.table, self.vocabulary.bias
+            self.draft_kernel = DraftKernel.build(model, self.lens, self.draft_exit[0], table, bias)
         self.overwrite = block_set.overwrite
         self.stats = SpeculationStats()
 
@@ -161,6 +166,11 @@ class Speculator:
         """``token`` at ``pos`` through the draft blocks: the stream leaving them [1, 1, D]."""
         if fast is not None:
             return fast.feed(self.draft_blocks, self.overwrite, self.decoder.cache, token, pos)
+        if self.draft_kernel is not None:
+            cache, blocks = self.decoder.cache, self.draft_blocks
+            fed = self.draft_kernel(self.model, blocks, cache, token, pos, self.overwrite, read=False)
+            if fed is not None:
+                return fed[0]
         x = self.model.embed_tokens(torch.tensor([[token]], device=self.model.wte.weight.device), pos)
         return self._through(self.draft_blocks, x, pos)  # [1, 1, D]
 
@@ -174,7 +184,12 @@ class Speculator:
                 self.draft_blocks, self.overwrite, cache, token, pos, self.draft_exit[0], rows
             )
             return stream, logits.float()
-        stream = self._feed(token, pos, None)
+        if self.draft_kernel is not None:
+            cache = self.decoder.cache
+            drafted = self.draft_kernel(self.model, self.draft_blocks, cache, token, pos, self.overwrite)
+            if drafted is not None:
+                return drafted
+        stream = self._feed(token, pos, None)  # the one call did not take it: the eager draft
         read = translate_exits(self.lens, stream, self.draft_exit)  # [1, 1, D]
         if rows is not None:
             return stream, self.model.unembed_rows(read, *rows).float()  # [N]
@@ -190,7 +205,10 @@ class Speculator:
     ) -> list[tuple[int, float]]:
         """The tokens the full set's logits ``target`` [k+1, V] keep: accepted drafts, then one of its own."""
         greedy = sampling.temperature == 0.0
-        logprobs = torch.log_softmax(target, dim=-1)  # [k+1, V]
+
+        def logprob(j: int, token: int) -> float:  # as a plain step has it; only the positions kept
+            return float(target[j, token] - torch.logsumexp(target[j], dim=-1))
+
         out = []
         for j, draft in enumerate(drafts):
             if greedy:
@@ -200,7 +218,7 @@ class Speculator:
                 u = float(torch.rand((), generator=generator, device=target.device))
                 agreed = u * float(q[draft]) < float(p[draft])  # u < p/q, without dividing by 0
             if agreed:
-                out.append((draft, float(logprobs[j, draft])))
+                out.append((draft, logprob(j, draft)))
                 continue
             if greedy:
                 token = greedy_token(target[j])
@@ -209,8 +227,8 @@ class Speculator:
                 total = float(residual.sum())
                 residual = residual / total if total > 0 else p
                 token = int(torch.multinomial(residual, 1, generator=generator))
-            out.append((token, float(logprobs[j, token])))
+            out.append((token, logprob(j, token)))
             return out
         token = pick_token(target[len(drafts)], sampling, generator)  # every draft agreed: one more free
-        out.append((token, float(logprobs[len(drafts), token])))
+        out.append((token, logprob(len(drafts), token)))
         return out

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from lab import tokens
+from lab import intmm, tokens
 from lab.blocks import BlockSet
 from lab.config import GPTConfig
 from lab.generate import generate, score
@@ -64,6 +64,19 @@ def test_greedy_speculation_gives_exactly_the_full_sets_tokens(model, spec):
         assert got == tokens_of(model, prompt, full_spec), (spec, prompt)
     assert 0 < stats.accepted < stats.drafted  # drafts were accepted and rejected both
     assert stats.rounds < 4 * 23  # fewer verification passes than tokens after the first
+
+
+def test_greedy_speculations_logprobs_are_the_full_sets(model):
+    """Each token's log-probability, accepted draft or the verification's own, is the one a plain
+    full-depth step gives it (the verification's logits of that position)."""
+    prompt = tokens.encode(PROMPTS[1])
+    plain = list(generate(model, prompt, 24))
+    stats = SpeculationStats()
+    block_set = BlockSet.parse("speculate=2;k=3", 4)
+    spec = list(generate(model, prompt, 24, block_set=block_set, speculation=stats))
+    assert [step.token for step in spec] == [step.token for step in plain] and stats.accepted > 0
+    for got, want in zip(spec, plain, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
 
 
 def test_quantized_greedy_speculation_gives_the_full_sets_tokens():
@@ -131,6 +144,46 @@ def test_drafts_over_a_draft_vocabulary_give_the_full_sets_tokens(model, spec):
         _, drafts, _ = speculator._draft(got[0], len(prompt), 4, GREEDY, torch.Generator(), None)
         assert set(drafts) <= allowed
     assert 0 < stats.accepted < stats.drafted
+
+
+@pytest.mark.skipif(intmm.unavailable() is not None, reason=str(intmm.unavailable()))
+@pytest.mark.parametrize("spec", ["speculate=2;k=4;vocab=64;lens=tuned", "speculate=1;k=3;vocab=16"])
+def test_a_draft_over_a_vocabulary_is_one_call_where_the_blocks_are(model, monkeypatch, spec):
+    """On a model with lab.intmm's blocks (the loader's, on this CPU), each vocab=N draft step and
+    each round's last fed token is one call (``lab.intmm.draft_row``): it drafts the tokens the eager
+    draft drafts, and the output stays the full set's. A hooked final norm takes the eager draft."""
+    from lab.block_kernel import use_block_kernels
+    from lab.float_kernels import use_float_kernels
+    from lab.sampling import GREEDY
+    from lab.speculate import Speculator
+
+    fast = use_block_kernels(use_float_kernels(copy.deepcopy(ranked(model))))
+    calls = []
+    draft_row = intmm.draft_row
+    monkeypatch.setattr(intmm, "draft_row", lambda *args: calls.append(args[-1]) or draft_row(*args))
+    block_set = BlockSet.parse(spec, 4)
+    prompt = tokens.encode(PROMPTS[2])
+    drafted = {}
+    for kernel in (True, False):
+        speculator = Speculator(fast, block_set, max_len=64)
+        assert speculator.draft_kernel is not None
+        if not kernel:
+            speculator.draft_kernel = None
+        speculator.decoder.prefill(prompt)
+        with torch.inference_mode():  # as a round drafts: the kernels carry no gradient
+            _, drafted[kernel], _ = speculator._draft(7, len(prompt), 4, GREEDY, torch.Generator(), None)
+    assert drafted[True] == drafted[False]
+    assert calls == [True] * 4 + [False]  # four drafts read out, then the last fed
+    got = [step.token for step in generate(fast, prompt, 24, block_set=block_set)]
+    assert got == [step.token for step in generate(fast, prompt, 24)]
+    calls.clear()
+    handle = fast.ln_f.register_forward_hook(lambda *args: None)
+    speculator = Speculator(fast, block_set, max_len=64)
+    speculator.decoder.prefill(prompt)
+    with torch.inference_mode():
+        _, hooked, _ = speculator._draft(7, len(prompt), 4, GREEDY, torch.Generator(), None)
+    handle.remove()
+    assert calls == [] and hooked == drafted[False]
 
 
 def test_a_draft_vocabulary_needs_a_lens_with_a_ranking(model):

@@ -169,8 +169,10 @@ def test_save_and_load_our_format(tmp_path):
     loaded = load_model(str(tmp_path / "m"))
     assert loaded.config == cfg and not loaded.training
     idx = torch.randint(0, 50, (1, 7))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(idx), original(idx), atol=0, rtol=0)
+    with torch.no_grad():  # the same weights: torch's products give the same bits, lab.intmm's nearly
+        exact = load_model(str(tmp_path / "m"), kernels=False)
+        torch.testing.assert_close(exact(idx), original(idx), atol=0, rtol=0)
+        torch.testing.assert_close(loaded(idx), original(idx), atol=1e-6, rtol=1e-4)
     half = load_model(str(tmp_path / "m"), dtype=torch.bfloat16)
     assert half.wte.weight.dtype == torch.bfloat16
 

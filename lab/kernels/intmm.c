@@ -1305,3 +1305,48 @@ int stack_rows(const struct block_weights *const *blocks, int64_t count, int64_t
                         pos, overwrite == NULL ? NULL : overwrite + i * B, out);
   return status;
 }
+
+/* What a draft reads its token out through (lab.block_kernel.DraftKernel), float32: the token and
+ * position tables, the tuned lens's translator of the last drafting block (NULL: the logit lens),
+ * the final norm, and the draft vocabulary's rows of the token table with their biases. */
+struct draft_head {
+  const float *wte, *wpe;                    /* [V, D], [T, D] */
+  const float *translator, *translator_bias; /* [D, D] laid out [out, in] as f32_mm reads it, [D] */
+  const float *ln_weight, *ln_bias;          /* [D] each; ln_bias may be NULL */
+  double eps;
+  const float *table, *table_bias; /* [N, D], [N] */
+  int64_t n, d;
+};
+
+/* One greedy draft step of one sequence in one call, float32: token at position pos embedded, through
+ * the run of blocks (stack_rows, its caches as there for one row; stream: the stream leaving them
+ * [D]), and, where logits is not NULL, translated (stream + stream W + bias, summed in that order as
+ * the lens does), normed, and read out over the draft vocabulary into logits [N]. Returns the index
+ * of the largest logit (the first of equals; 0 without logits), or a negative status as
+ * block_rows's: -1 no memory. */
+int64_t draft_row(const struct block_weights *const *blocks, int64_t count, const struct draft_head *head,
+                  int64_t token, int64_t pos, void *const *k_caches, void *const *v_caches, const int64_t *t_max,
+                  const uint8_t *overwrite, float *stream, float *logits) {
+  const int64_t D = head->d;
+  float *scratch = malloc(sizeof(float) * (size_t)(3 * D));
+  if (scratch == NULL) return -1;
+  float *x = scratch, *translated = scratch + D, *normed = scratch + 2 * D;
+  for (int64_t i = 0; i < D; ++i) x[i] = head->wte[token * D + i] + head->wpe[pos * D + i];
+  int status = stack_rows(blocks, count, 1, 0, x, k_caches, v_caches, t_max, &pos, overwrite, stream);
+  if (logits == NULL) {
+    free(scratch);
+    return status;
+  }
+  const float *read = stream;
+  if (status == 0 && head->translator != NULL) {
+    status = f32_mm(stream, 1, D, 0, head->translator, D, NULL, translated);
+    for (int64_t i = 0; i < D; ++i) translated[i] = (stream[i] + translated[i]) + head->translator_bias[i];
+    read = translated;
+  }
+  if (status == 0) {
+    layer_norm_rows(0, read, 1, D, head->ln_weight, head->ln_bias, (float)head->eps, normed);
+    status = f32_mm(normed, 1, D, 0, head->table, head->n, head->table_bias, logits);
+  }
+  free(scratch);
+  return status != 0 ? status : argmax(logits, head->n, 0);
+}
