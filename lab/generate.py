@@ -38,7 +38,15 @@ from lab.errors import UserError
 from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
 from lab.model import GPT
 from lab.quantize import WeightDtype
-from lab.sampling import GREEDY, FinishReason, SamplingError, SamplingParams, pick_token, seeded_generator
+from lab.sampling import (
+    GREEDY,
+    FinishReason,
+    SamplingError,
+    SamplingParams,
+    pick_token,
+    seeded_generator,
+    token_logprob,
+)
 from lab.speculate import SpeculationStats, Speculator
 from lab.threads import ThreadTuner
 from lab.weights import load_model
@@ -162,12 +170,12 @@ class Generation:
         """Draw the next token from logits [V] (the read-out after the last token fed) and record it;
         its step (None: end-of-text ended the generation)."""
         logits = logits.float()
-        norm = torch.logsumexp(logits, dim=-1)
+        allowed = logits
         if self.eos_token is not None and len(self.tokens) < self.sampling.min_tokens:
-            logits = logits.clone()
-            logits[self.eos_token] = float("-inf")
-        token = pick_token(logits, self.sampling, self.generator)
-        return self.record(token, float(logits[token] - norm), blocks_run)
+            allowed = logits.clone()
+            allowed[self.eos_token] = float("-inf")
+        token = pick_token(allowed, self.sampling, self.generator)
+        return self.record(token, token_logprob(logits, token), blocks_run)
 
     def record(self, token: int, logprob: float, blocks_run: list[int]) -> Step | None:
         """Take ``token`` as the next one and apply the stopping rules; its step (None: end-of-text)."""

@@ -193,6 +193,8 @@ def _library() -> ctypes.CDLL:
     library.intmm_isa.restype, library.intmm_isa.argtypes = ctypes.c_int, [ctypes.c_int]
     library.argmax.restype = ctypes.c_int64
     library.argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]  # x, n, bf16
+    library.logsumexp.restype = ctypes.c_float
+    library.logsumexp.argtypes = [ctypes.c_void_p, ctypes.c_int64]  # x, n
     library.attend_rows.restype = ctypes.c_int
     library.attend_rows.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 6
     library.block_rows.restype = ctypes.c_int
@@ -570,3 +572,11 @@ def argmax(x: torch.Tensor) -> int:
     if x.dim() != 1 or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
         raise ValueError(f"argmax: x dense float32 or bf16 [n], got {x.dtype} {list(x.shape)}")
     return _function("argmax")(x.data_ptr(), x.numel(), x.dtype is torch.bfloat16)
+
+
+def logsumexp(x: torch.Tensor) -> float:
+    """log sum exp of x [n] (float32, dense, on the CPU): what ``float(torch.logsumexp(x, 0))``
+    answers, to float32's last bits (NaN where x holds one, the largest value where it is infinite)."""
+    if x.dim() != 1 or x.dtype is not torch.float32 or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"logsumexp: x dense float32 [n] on the CPU, got {x.dtype} {list(x.shape)}")
+    return _function("logsumexp")(x.data_ptr(), x.numel())

@@ -87,7 +87,7 @@ def token_probabilities(logits: torch.Tensor, sampling: SamplingParams) -> torch
 
 
 @functools.cache
-def _argmax_builds() -> bool:
+def _kernels_build() -> bool:
     return intmm.unavailable() is None
 
 
@@ -96,9 +96,19 @@ def greedy_token(logits: torch.Tensor) -> int:
     them (float32 or bf16 on a CPU where it builds; torch's argmax is several times slower over
     GPT-2's vocabulary, a share of a decode step), else torch's."""
     kernel = logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
-    if kernel and logits.dim() == 1 and logits.is_contiguous() and _argmax_builds():
+    if kernel and logits.dim() == 1 and logits.is_contiguous() and _kernels_build():
         return intmm.argmax(logits)
     return int(logits.argmax())
+
+
+def token_logprob(logits: torch.Tensor, token: int) -> float:
+    """log p(token) under logits [V]: ``logits[token]`` less their ``lab.intmm.logsumexp`` where it
+    takes them (float32 on a CPU where it builds; torch's is several times slower over GPT-2's
+    vocabulary, a share of a decode step), else torch's."""
+    kernel = logits.device.type == "cpu" and logits.dtype is torch.float32 and logits.dim() == 1
+    if kernel and _kernels_build():
+        return float(logits[token]) - intmm.logsumexp(logits.contiguous())
+    return float(logits[token] - torch.logsumexp(logits.float(), dim=-1))
 
 
 def pick_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:

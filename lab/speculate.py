@@ -25,7 +25,7 @@ from lab.decode import Decoder
 from lab.errors import UserError
 from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
 from lab.model import GPT
-from lab.sampling import SamplingParams, greedy_token, pick_token, token_probabilities
+from lab.sampling import SamplingParams, greedy_token, pick_token, token_logprob, token_probabilities
 
 
 @dataclass
@@ -119,7 +119,7 @@ class Speculator:
             logits, _ = decoder.step(last)
             logits = logits.float()
             token = pick_token(logits, sampling, generator)
-            return [(token, float(logits[token] - torch.logsumexp(logits, dim=-1)))]
+            return [(token, token_logprob(logits, token))]
         fast = self.fast if self.fast is not None and self.fast.ready() else None
         streams, drafts, draft_probs = self._draft(last, start, k, sampling, generator, fast)
         fed = torch.cat(streams, dim=1)  # [1, k+1, D]
@@ -207,7 +207,7 @@ class Speculator:
         greedy = sampling.temperature == 0.0
 
         def logprob(j: int, token: int) -> float:  # as a plain step has it; only the positions kept
-            return float(target[j, token] - torch.logsumexp(target[j], dim=-1))
+            return token_logprob(target[j], token)
 
         out = []
         for j, draft in enumerate(drafts):

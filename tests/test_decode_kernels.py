@@ -157,3 +157,29 @@ def test_argmax_answers_as_torch_does(dtype):
     assert greedy_token(columns) == int(columns.argmax())
     with pytest.raises(ValueError, match="argmax: x dense"):
         intmm.argmax(columns)
+
+
+def test_logsumexp_answers_as_torch_does():
+    """A token's log-probability (``lab.intmm.logsumexp``, ``lab.sampling.token_logprob``) is
+    torch's to float32's last bits, at any length and scale; -inf, +inf and NaN as torch answers
+    them; other dtypes keep torch's."""
+    from lab.sampling import token_logprob
+
+    generator = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 50257):
+        for scale in (1e-3, 1.0, 30.0):
+            x = torch.randn(n, generator=generator) * scale - 5.0
+            if n > 1:
+                x[n // 2] = float("-inf")  # a masked token (min_tokens' end-of-text) costs nothing
+            want = float(torch.logsumexp(x, 0))
+            assert intmm.logsumexp(x) == pytest.approx(want, rel=1e-6, abs=1e-6), (n, scale)
+            token = n - 1
+            assert token_logprob(x, token) == pytest.approx(float(x[token] - torch.logsumexp(x, 0)), abs=1e-5)
+    for special in ([float("-inf")] * 9, [0.0, float("inf")] * 5, [0.0, float("nan"), float("inf")]):
+        x = torch.tensor(special)
+        want = float(torch.logsumexp(x, 0))
+        assert intmm.logsumexp(x) == want or math.isnan(want) and math.isnan(intmm.logsumexp(x))
+    half = torch.randn(9, generator=generator).to(torch.bfloat16)
+    assert token_logprob(half, 3) == pytest.approx(float(half[3].float() - torch.logsumexp(half.float(), 0)))
+    with pytest.raises(ValueError, match="logsumexp: x dense float32"):
+        intmm.logsumexp(half)
