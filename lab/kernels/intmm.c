@@ -1093,41 +1093,8 @@ int attend_rows(int64_t B, int64_t H, int64_t Dh, int bf16, const void *qkv, voi
   return status;
 }
 
-/* log sum_i exp x[i] over x [n] (float32), as torch's logsumexp: the largest value m plus the log of
- * sum exp(x - m), summed in 8 lanes; m itself when m is infinite (every value -inf, or one +inf), NaN
- * where x holds one. A sampled token's log-probability at every step, which torch's logsumexp took
- * several times longer to compute over GPT-2's vocabulary. */
-float logsumexp(const float *x, int64_t n) {
-  __m256 top = _mm256_set1_ps(-INFINITY), nan_lanes = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 values = _mm256_loadu_ps(x + i);
-    top = _mm256_max_ps(top, values);
-    nan_lanes = _mm256_or_ps(nan_lanes, _mm256_cmp_ps(values, values, _CMP_UNORD_Q));
-  }
-  float largest = -INFINITY;
-  float lanes[8];
-  _mm256_storeu_ps(lanes, top);
-  for (int j = 0; j < 8; ++j) largest = fmaxf(largest, lanes[j]);
-  int any_nan = _mm256_movemask_ps(nan_lanes) != 0;
-  for (int64_t tail = i; tail < n; ++tail) {
-    any_nan |= isnan(x[tail]);
-    largest = fmaxf(largest, x[tail]);
-  }
-  if (any_nan) return NAN;
-  if (isinf(largest)) return largest;
-  const __m256 shift = _mm256_set1_ps(largest);
-  __m256 sums = _mm256_setzero_ps();
-  for (i = 0; i + 8 <= n; i += 8) sums = _mm256_add_ps(sums, exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift)));
-  float total = sum_lanes(sums);
-  for (; i < n; ++i) total += expf(x[i] - largest);
-  return largest + logf(total);
-}
-
-/* The index of x's largest value [n] (float32, or bf16), the first of equals; where x holds a NaN,
- * the first NaN's, as torch's argmax answers. Greedy decoding's pick over the vocabulary, which
- * torch's argmax took several times longer to find, a bf16 one more (docs/inference.md). */
-int64_t argmax(const void *x, int64_t n, int bf16) {
+/* The largest value of x [n] (float32, or bf16), NaNs aside, and whether x holds a NaN (any_nan). */
+static float largest_value(const void *x, int64_t n, int bf16, int *any_nan) {
   __m256 top = _mm256_set1_ps(-INFINITY), nan_lanes = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -1139,12 +1106,39 @@ int64_t argmax(const void *x, int64_t n, int bf16) {
   float lanes[8];
   _mm256_storeu_ps(lanes, top);
   for (int j = 0; j < 8; ++j) largest = fmaxf(largest, lanes[j]);
-  int any_nan = _mm256_movemask_ps(nan_lanes) != 0;
+  *any_nan = _mm256_movemask_ps(nan_lanes) != 0;
   for (int64_t tail = i; tail < n; ++tail) {
     const float value = load(x, bf16, tail);
-    any_nan |= isnan(value);
+    *any_nan |= isnan(value);
     largest = fmaxf(largest, value);
   }
+  return largest;
+}
+
+/* log sum_i exp x[i] over x [n] (float32), as torch's logsumexp: the largest value m plus the log of
+ * sum exp(x - m), summed in 8 lanes; m itself when m is infinite (every value -inf, or one +inf), NaN
+ * where x holds one. A sampled token's log-probability at every step, which torch's logsumexp took
+ * several times longer to compute over GPT-2's vocabulary. */
+float logsumexp(const float *x, int64_t n) {
+  int any_nan;
+  const float largest = largest_value(x, n, 0, &any_nan);
+  if (any_nan) return NAN;
+  if (isinf(largest)) return largest;
+  const __m256 shift = _mm256_set1_ps(largest);
+  __m256 sums = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) sums = _mm256_add_ps(sums, exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift)));
+  float total = sum_lanes(sums);
+  for (; i < n; ++i) total += expf(x[i] - largest);
+  return largest + logf(total);
+}
+
+/* The index of x's largest value [n] (float32, or bf16), the first of equals; where x holds a NaN,
+ * the first NaN's, as torch's argmax answers. Greedy decoding's pick over the vocabulary, which
+ * torch's argmax took several times longer to find, a bf16 one more (docs/inference.md). */
+int64_t argmax(const void *x, int64_t n, int bf16) {
+  int any_nan;
+  const float largest = largest_value(x, n, bf16, &any_nan);
   const __m256 target = _mm256_set1_ps(largest);
   int64_t at = 0;
   for (; at + 8 <= n; at += 8) { /* the first lane that is the largest value (or a NaN) */
