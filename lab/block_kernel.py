@@ -17,8 +17,8 @@ with the same parameters, state dict and hook points as the modules they replace
   so a row's result is the one it gets alone (batch invariance), and a prompt of integer weights gets
   the same whatever chunks it is fed in. Float products take it at one row, or any number under
   ``lab.rows.rows_alone``, as ``lab.float_kernels`` does, and a sequence's tokens up to
-  ``lab.float_kernels.SHORT_RUN`` (a longer float prompt keeps torch's matrix-matrix products);
-  ``run_stack`` takes a run of such blocks over one sequence in one call. int4 and int8 where
+  ``lab.float_kernels.SHORT_RUN`` (a longer float prompt keeps torch's matrix-matrix products).
+  int4 and int8 where
   torch's kernels compute them (``QuantizedLinear.kernel``), other norms, training, gradients,
   ``torch.compile``, and any step while a module of the block is hooked keep the modules' forward,
   which computes the same up to the last bits of a LayerNorm's and a GELU's arithmetic.
@@ -28,6 +28,11 @@ with the same parameters, state dict and hook points as the modules they replace
   in a fixed order. Prompts (several tokens), the compiled step (``lab.fast``), gradients,
   ``attention="eager"`` models, other devices and dtypes, and any step while the ``scores`` or
   ``pattern`` hook points are hooked keep torch's attention.
+
+Two more take whole runs of blocks: ``run_stack`` (``GPT.run_stack``, set by ``use_block_kernels``)
+runs ``GPT.run_blocks`` of one sequence over its cache in one ``lab.intmm.stack_rows`` call where
+every block is a ``KernelBlock`` that takes the tokens (drafts, verifications, short prompts, a
+batch-1 decode step), and ``DraftKernel`` a speculation draft's whole step (``lab.intmm.draft_row``).
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ policy (``lab.threads``). Inside ``torch.compile`` each product is a custom op,
 
 The same file holds the float32 and bf16 products (``lab.float_kernels``), a decode step's
 attention (``attend_rows``), a whole pre-LN block for a decode step's rows in one call (``block_rows``),
-a run of blocks over one sequence's tokens in one call (``stack_rows``; all three behind
-``lab.block_kernel``) and greedy decoding's ``argmax``: what a decode
+a run of blocks over one sequence's tokens in one call (``stack_rows``), a speculation draft's step
+in one call (``draft_row``; these four behind ``lab.block_kernel``), greedy decoding's ``argmax``
+and a token's log-probability's ``logsumexp``: what a decode
 step spent in torch's slower kernels, at sizes where a call into torch costs more than the work.
 """
 

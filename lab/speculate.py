@@ -10,7 +10,9 @@ token there (or after the last draft). Sampling: speculative sampling's rule (ac
 probability min(1, p(d)/q(d)), else draw from max(0, p - q) normalised), so tokens are distributed as
 the full set's. The keys and values of rejected drafts are left past the cache's length and
 overwritten later. On a model with ``lab.fast``'s compiled steps, the drafts and the verification
-run as compiled graphs (``FastDecode.draft``, ``feed`` and ``verify``) on the decoder's cache.
+run as compiled graphs (``FastDecode.draft``, ``feed`` and ``verify``) on the decoder's cache;
+eager, on a float32 model whose blocks lab.intmm computes, a ``vocab=N`` draft step is one C call
+(``lab.block_kernel.DraftKernel``) and the verification's blocks another (``GPT.run_stack``).
 """
 
 from __future__ import annotations
