@@ -460,6 +460,7 @@ class GPT(nn.Module):
         positions). ``after(i, x)`` sees the stream leaving block i (taps, exit checks).
         """
         if self.run_stack is not None and keep is None and after is None:  # lab.block_kernel: in one call
+            blocks = list(blocks)  # read again below where the one call does not take them
             out = self.run_stack(self, x, blocks, cache, pos, overwrite)  # [B, T, D], or None
             if out is not None:
                 return out

@@ -256,3 +256,8 @@ def test_caches_held_a_tensor_per_layer_run_the_blocks_one_by_one(saved, block_c
         whole = model.run_blocks(x, [0, 1, 2], KVCache(model.config, max_len=8))
         apart = model.run_blocks(x, [0, 1, 2], layers_apart(KVCache(model.config, max_len=8)))
     assert torch.equal(whole, apart) and len(block_calls) == 6
+    with torch.inference_mode():  # blocks as an iterator, a prompt longer than a short run: one by one
+        prompt = torch.randn(1, SHORT_RUN + 1, 64, generator=torch.Generator().manual_seed(5))
+        listed = model.run_blocks(prompt, [0, 1, 2], KVCache(model.config, max_len=16))
+        iterated = model.run_blocks(prompt, iter([0, 1, 2]), KVCache(model.config, max_len=16))
+    assert torch.equal(listed, iterated) and not torch.equal(listed, prompt)
