@@ -210,6 +210,22 @@ class KernelBlock(Block):
         return weights
 
 
+def _stack_weights(
+    model: GPT, layers: list[int], x: torch.Tensor, rows: int
+) -> list[intmm.BlockWeights] | None:
+    """Each block's weights for one call over ``rows`` tokens of one sequence like x, where every block
+    of ``layers`` is a ``KernelBlock`` that takes them (``KernelBlock.forward``'s rule); else None, as
+    for no block at all."""
+    weights = []
+    for i in layers:
+        block = model.blocks[i]
+        held = block._kernel_weights(x, rows, True) if type(block) is KernelBlock else None
+        if held is None:
+            return None
+        weights.append(held)
+    return weights or None
+
+
 def run_stack(
     model: GPT, x: torch.Tensor, blocks: Iterable[int], cache: KVCache | None, pos: int,
     overwrite: Collection[int],
@@ -223,16 +239,8 @@ def run_stack(
     if not isinstance(cache.k, torch.Tensor) or cache.k.size(1) != 1:
         return None  # lab.fast's caches hold a tensor per layer; a batch's cache several sequences
     layers = list(blocks)
-    weights = []
-    for i in layers:
-        block = model.blocks[i]
-        if type(block) is not KernelBlock:
-            return None
-        held = block._kernel_weights(x, T, True)
-        if held is None:
-            return None
-        weights.append(held)
-    if not weights:
+    weights = _stack_weights(model, layers, x, T)
+    if weights is None:
         return None
     flags = [i in overwrite for i in layers] if overwrite else None
     return intmm.stack_rows(weights, x.reshape(T, D), cache.k, cache.v, layers, pos, flags).view(1, T, D)
@@ -286,20 +294,16 @@ class DraftKernel:
         (None without ``read``: a round's last token, fed for the verification), writing the blocks'
         keys and values; None where this step cannot take the call (a hook, training, a block the one
         call does not take, lab.fast's caches)."""
-        if model.training or _global_forward_hooks or _global_forward_pre_hooks or not blocks:
+        if model.training or _global_forward_hooks or _global_forward_pre_hooks:
             return None
         for module in self.hookable:
             if module._forward_hooks or module._forward_pre_hooks:
                 return None
         if not isinstance(cache.k, torch.Tensor) or cache.k.size(1) != 1:
             return None
-        weights = []
-        for i in blocks:
-            block = model.blocks[i]
-            held = block._kernel_weights(self.probe, 1, True) if type(block) is KernelBlock else None
-            if held is None:
-                return None
-            weights.append(held)
+        weights = _stack_weights(model, blocks, self.probe, 1)
+        if weights is None:
+            return None
         flags = [i in overwrite for i in blocks] if overwrite else None
         head = self.head
         stream, logits, _ = intmm.draft_row(weights, head, token, pos, cache.k, cache.v, blocks, flags, read)

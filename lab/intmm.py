@@ -435,8 +435,8 @@ def _stack_arguments(
     weights: list[BlockWeights], x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layers: list[int],
     pos: int, overwrite: list[bool] | None,
 ) -> tuple[ctypes.Array, ...]:  # fmt: skip
-    """``stack_rows``'s arguments checked, as C reads them: the rows' positions, each (block, row)'s
-    keys' and values' pointers and lengths, the overwrite flags (or None)."""
+    """``stack_rows``'s arguments checked, as C reads them: the blocks' weights, the rows' positions,
+    each (block, row)'s keys' and values' pointers and lengths, the overwrite flags (or None)."""
     T, D = x.shape
     dtype = x.dtype
     count = len(weights)
@@ -464,7 +464,8 @@ def _stack_arguments(
     positions = (ctypes.c_int64 * T)(*range(pos, pos + T))
     per_row = None if overwrite is None else [flag for flag in overwrite for _ in range(T)]
     flags = None if per_row is None else (ctypes.c_uint8 * (count * T))(*per_row)
-    return positions, k_rows, v_rows, lengths, flags
+    blocks = (ctypes.c_void_p * count)(*[ctypes.addressof(w.struct) for w in weights])
+    return blocks, positions, k_rows, v_rows, lengths, flags
 
 
 def stack_rows(
@@ -478,8 +479,7 @@ def stack_rows(
     hands on attn_out + mlp_out. [T, D]: the stream leaving the last block."""
     T, D = x.shape
     arguments = _stack_arguments(weights, x, keys, values, layers, pos, overwrite)
-    positions, k_rows, v_rows, lengths, flags = arguments
-    blocks = (ctypes.c_void_p * len(weights))(*[ctypes.addressof(w.struct) for w in weights])
+    blocks, positions, k_rows, v_rows, lengths, flags = arguments
     dtype = x.dtype
     out = torch.empty(T, D, dtype=dtype)
     status = _function("stack_rows")(
@@ -553,8 +553,8 @@ def draft_row(
     if not 0 <= pos < min(head.positions, keys.size(-2)):
         raise ValueError(f"draft_row: position {pos} outside the tables or the caches")
     x = torch.empty(1, D)  # stands for the embedded token in the caches' check
-    _, k_rows, v_rows, lengths, flags = _stack_arguments(weights, x, keys, values, layers, pos, overwrite)
-    blocks = (ctypes.c_void_p * len(weights))(*[ctypes.addressof(w.struct) for w in weights])
+    arguments = _stack_arguments(weights, x, keys, values, layers, pos, overwrite)
+    blocks, _, k_rows, v_rows, lengths, flags = arguments
     stream, logits = torch.empty(D), torch.empty(head.n) if read else None
     index = _function("draft_row")(
         blocks, len(weights), ctypes.byref(head.struct), token, pos, k_rows, v_rows, lengths, flags,

@@ -173,6 +173,10 @@ class Speculator:
             fed = self.draft_kernel(self.model, blocks, cache, token, pos, self.overwrite, read=False)
             if fed is not None:
                 return fed[0]
+        return self._feed_eager(token, pos)
+
+    def _feed_eager(self, token: int, pos: int) -> torch.Tensor:
+        """``_feed`` through the modules' own path: the stream leaving the draft blocks [1, 1, D]."""
         x = self.model.embed_tokens(torch.tensor([[token]], device=self.model.wte.weight.device), pos)
         return self._through(self.draft_blocks, x, pos)  # [1, 1, D]
 
@@ -191,7 +195,7 @@ class Speculator:
             drafted = self.draft_kernel(self.model, self.draft_blocks, cache, token, pos, self.overwrite)
             if drafted is not None:
                 return drafted
-        stream = self._feed(token, pos, None)  # the one call did not take it: the eager draft
+        stream = self._feed_eager(token, pos)  # the one call did not take it: the eager draft
         read = translate_exits(self.lens, stream, self.draft_exit)  # [1, 1, D]
         if rows is not None:
             return stream, self.model.unembed_rows(read, *rows).float()  # [N]

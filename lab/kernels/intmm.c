@@ -395,25 +395,6 @@ TILE_INLINE void w8a8_tile(const int ROWS, const int COLS, int64_t m0, int64_t n
     }                                                                 \
   } while (0)
 
-/* Outputs n0 .. end - 1 of every row, COLS at a time (a constant), 4 rows at a time, each group of rows
- * over all the outputs before the next: the rows' inputs stay in the first-level cache across the
- * outputs (a prompt's inputs, M x K floats, do not), the outputs' weights in the second. */
-#define ROW_GROUPS(TILE, COLS, n0, end, p)                                        \
-  do {                                                                            \
-    int64_t m0 = 0;                                                               \
-    for (; m0 + 4 <= (p)->M; m0 += 4)                                             \
-      for (int64_t n = n0; n < end; n += COLS) TILE(4, COLS, m0, n, p);           \
-    for (int64_t n = n0; n < end; n += COLS) switch ((p)->M - m0) {               \
-        case 3: TILE(3, COLS, m0, n, p); break;                                   \
-        case 2: TILE(2, COLS, m0, n, p); break;                                   \
-        case 1: TILE(1, COLS, m0, n, p); break;                                   \
-      }                                                                           \
-  } while (0)
-
-/* Outputs a thread takes at a time in a product of more than NARROW_ROWS rows: 64 weight rows of
- * K = 3072 are 192 KiB in int8 and 768 KiB in float32, in the second-level cache. */
-#define OUTPUT_CHUNK 64
-
 /* Outputs n0 .. n0 + 3 (fewer at the end) of every row. */
 #define EACH_TILE(TILE, n0, p)                                        \
   switch ((p)->N - (n0) < 4 ? (p)->N - (n0) : 4) {                    \
@@ -582,7 +563,7 @@ static inline __attribute__((always_inline)) void float_tile_avx2(const int BF16
     }
 }
 
-/* The tiles as EACH_ROW and ROW_GROUPS call them, TILE(ROWS, COLS, m0, n0, p), per version and type. */
+/* The tiles as EACH_ROW calls them, TILE(ROWS, COLS, m0, n0, p), per version and type. */
 static inline AVX512_BF16 __attribute__((always_inline)) void bf16_tile_avx512(const int ROWS, const int COLS,
                                                                                 int64_t m0, int64_t n0,
                                                                                 const struct float_product *p) {
@@ -701,6 +682,25 @@ static inline __attribute__((always_inline)) void int8_rows_avx2(const int ROWS,
     float_store(p, m0 + r, n, scale * value);
   }
 }
+
+/* Outputs n0 .. end - 1 of every row, COLS at a time (a constant), 4 rows at a time, each group of rows
+ * over all the outputs before the next: the rows' inputs stay in the first-level cache across the
+ * outputs (a prompt's inputs, M x K floats, do not), the outputs' weights in the second. */
+#define ROW_GROUPS(TILE, COLS, n0, end, p)                                        \
+  do {                                                                            \
+    int64_t m0 = 0;                                                               \
+    for (; m0 + 4 <= (p)->M; m0 += 4)                                             \
+      for (int64_t n = n0; n < end; n += COLS) TILE(4, COLS, m0, n, p);           \
+    for (int64_t n = n0; n < end; n += COLS) switch ((p)->M - m0) {               \
+        case 3: TILE(3, COLS, m0, n, p); break;                                   \
+        case 2: TILE(2, COLS, m0, n, p); break;                                   \
+        case 1: TILE(1, COLS, m0, n, p); break;                                   \
+      }                                                                           \
+  } while (0)
+
+/* Outputs a thread takes at a time in a product of more than NARROW_ROWS rows: 64 int8 rows of K = 3072
+ * are 192 KiB, in the second-level cache. */
+#define OUTPUT_CHUNK 64
 
 /* One parallel loop per kernel, as FLOAT_PRODUCT: a decode step's rows (NARROW_ROWS) take COLS
  * outputs at a time, more rows OUTPUT_CHUNK outputs a thread in ROW_GROUPS. */
