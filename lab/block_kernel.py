@@ -14,10 +14,10 @@ with the same parameters, state dict and hook points as the modules they replace
   attending causally), go through the whole block in one call, ``lab.intmm.block_rows``:
   the pre-LN block (GPT-2's) with products lab.intmm computes (float32 and bf16 weights, int8, int4,
   w4a8, w8a8), each intermediate rounded where torch's ops round it. Each row is computed on its own,
-  so a row's result is the one it gets alone (batch invariance), and a prompt of integer weights gets
-  the same whatever chunks it is fed in. Float products take it at one row, or any number under
-  ``lab.rows.rows_alone``, as ``lab.float_kernels`` does, and a sequence's tokens up to
-  ``lab.float_kernels.SHORT_RUN`` (a longer float prompt keeps torch's matrix-matrix products).
+  so a row's result is the one it gets alone (batch invariance), and a prompt gets the same whatever
+  chunks it is fed in (float weights: chunks the call takes). Float products take it at one row, or
+  any number under ``lab.rows.rows_alone``, as ``lab.float_kernels`` does, and a sequence's tokens up to
+  ``PROMPT_RUN`` (a longer float run keeps torch's matrix-matrix products).
   int4 and int8 where
   torch's kernels compute them (``QuantizedLinear.kernel``), other norms, training, gradients,
   ``torch.compile``, and any step while a module of the block is hooked keep the modules' forward,
@@ -31,7 +31,7 @@ with the same parameters, state dict and hook points as the modules they replace
 
 Two more take whole runs of blocks: ``run_stack`` (``GPT.run_stack``, set by ``use_block_kernels``)
 runs ``GPT.run_blocks`` of one sequence over its cache in one ``lab.intmm.stack_rows`` call where
-every block is a ``KernelBlock`` that takes the tokens (drafts, verifications, short prompts, a
+every block is a ``KernelBlock`` that takes the tokens (drafts, verifications, prompts' chunks, a
 batch-1 decode step), and ``DraftKernel`` a speculation draft's whole step (``lab.intmm.draft_row``).
 """
 
@@ -44,10 +44,16 @@ from torch import nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from lab import intmm
-from lab.float_kernels import SHORT_RUN, KernelLinear
+from lab.float_kernels import KernelLinear
 from lab.model import GPT, Block, CausalSelfAttention, KVCache, LayerCache
 from lab.quantize import QuantizedLinear
 from lab.rows import taking_rows_alone
+
+PROMPT_RUN = 128
+"""A float sequence's tokens up to this many (a prompt's chunk: the server's are 64; a verification) take
+the one call: there a block's thirty-odd ops through torch cost more than its arithmetic in one call.
+A longer run keeps the modules (torch's matrix-matrix products and attention), which overtake the
+call's row-by-row attention and one-row tiles as the run grows (docs/inference.md)."""
 
 
 def uses_block_kernels(device: torch.device | str) -> bool:
@@ -127,7 +133,7 @@ class _Weights:
         self.addresses = _addresses(self.modules)
         self.hookable = tuple(block.modules())
         self.weights: intmm.BlockWeights | None = None
-        self.floats = False  # float products: one row, rows alone, or a short run (KernelBlock)
+        self.floats = False  # float products: one row, rows alone, or a sequence's run (KernelBlock)
         products = [_product(linear) for linear in self.modules[:4]]
         norms = self.modules[4:]
         if None in products or block.norm != "pre" or any(type(norm) is not nn.LayerNorm for norm in norms):
@@ -200,8 +206,8 @@ class KernelBlock(Block):
         weights = held.weights
         if weights is None or x.dtype is not weights.dtype:
             return None
-        if held.floats and rows > (SHORT_RUN if sequence else 1) and not taking_rows_alone():
-            return None  # torch's matrix-matrix product for several rows, as lab.float_kernels has it
+        if held.floats and rows > (PROMPT_RUN if sequence else 1) and not taking_rows_alone():
+            return None  # torch's matrix-matrix products and attention, as lab.float_kernels has them
         if _global_forward_hooks or _global_forward_pre_hooks:
             return None
         for module in held.hookable:  # a loop, not any(): a dozen calls a step

@@ -9,11 +9,10 @@ import copy
 import pytest
 import torch
 
-from lab import intmm
+from lab import block_kernel, intmm
 from lab.block_kernel import KernelBlock
 from lab.decode import Decoder, decode_rows
 from lab.fast import layers_apart
-from lab.float_kernels import SHORT_RUN
 from lab.hooks import capture
 from lab.model import Block, KVCache, Linear
 from lab.rows import rows_alone
@@ -115,15 +114,16 @@ def test_several_float_rows_share_torchs_product_unless_rows_alone(saved, block_
         assert len(block_calls) == expected, kind
 
 
-def test_hooks_prompts_gradients_and_training_keep_the_modules(saved, block_calls):
+def test_hooks_prompts_gradients_and_training_keep_the_modules(saved, block_calls, monkeypatch):
     """A block with any module hooked (a hook point, a norm, through lab.hooks or torch's own
     hooks, a global hook) runs its modules, so the hooks see what they always saw; the other blocks
-    keep the call. So do a float prompt longer than a short run, anything that needs gradients and
-    training mode."""
+    keep the call. So do a float prompt longer than ``PROMPT_RUN``, anything that needs gradients
+    and training mode."""
+    monkeypatch.setattr(block_kernel, "PROMPT_RUN", 8)  # the tiny model's context is shorter than 128
     model = load_model(saved, "float32")
     L = model.config.n_layer
     decoder = Decoder(model, None, max_len=40)
-    decoder.prefill(list(range(1, SHORT_RUN + 2)))  # longer than a short run: torch's products
+    decoder.prefill(list(range(1, 10)))  # longer than PROMPT_RUN: torch's products
     assert block_calls == []
     decoder.step(5)
     assert len(block_calls) == L
@@ -199,11 +199,12 @@ def test_changed_weights_are_read_again_and_copies_work(saved):
     assert logits.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("kind", ["w4a8", "w8a8", "int4", "int8"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_prompt_runs_in_one_call_a_row_per_token_and_chunks_change_no_bit(saved, block_calls, kind):
-    """With integer weights a prompt's tokens are rows of one call sharing the sequence's cache,
-    each attending causally: the logits are the modules' up to rounding, and a prompt fed in chunks
-    gives bit for bit the stream and logits it gives fed at once (each row is computed alone)."""
+    """A prompt's tokens are rows of one call sharing the sequence's cache, each attending causally
+    (float weights too, up to ``PROMPT_RUN`` tokens): the stream is the modules' up to rounding, and
+    a prompt fed in chunks gives bit for bit the stream and logits it gives fed at once (each row is
+    computed alone)."""
     model = load_model(saved, kind)
     prompt = list(range(40, 57))
     whole = Decoder(model, None, max_len=32)
@@ -216,7 +217,8 @@ def test_a_prompt_runs_in_one_call_a_row_per_token_and_chunks_change_no_bit(save
     for block in model.blocks:
         block.__class__ = Block
     modules = Decoder(model, None, max_len=32)
-    torch.testing.assert_close(modules.extend(prompt).float(), stream.float(), rtol=5e-2, atol=5e-2)
+    tolerance = TOLERANCE[kind] if kind == "float32" else 5e-2
+    torch.testing.assert_close(modules.extend(prompt).float(), stream.float(), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -247,7 +249,7 @@ def test_a_run_of_blocks_over_a_sequence_is_one_call_with_the_blocks_bits(saved,
     assert not torch.equal(caches[0].k[:, 0, :, pos], torch.zeros_like(caches[0].k[:, 0, :, pos]))
 
 
-def test_caches_held_a_tensor_per_layer_run_the_blocks_one_by_one(saved, block_calls):
+def test_caches_held_a_tensor_per_layer_run_the_blocks_one_by_one(saved, block_calls, monkeypatch):
     """lab.fast's caches (``layers_apart``: a tensor per layer) are no [L, ...] tensor for the one
     call: the blocks run one by one, each in its own call, computing the same."""
     model = load_model(saved, "float32")
@@ -256,8 +258,9 @@ def test_caches_held_a_tensor_per_layer_run_the_blocks_one_by_one(saved, block_c
         whole = model.run_blocks(x, [0, 1, 2], KVCache(model.config, max_len=8))
         apart = model.run_blocks(x, [0, 1, 2], layers_apart(KVCache(model.config, max_len=8)))
     assert torch.equal(whole, apart) and len(block_calls) == 6
-    with torch.inference_mode():  # blocks as an iterator, a prompt longer than a short run: one by one
-        prompt = torch.randn(1, SHORT_RUN + 1, 64, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(block_kernel, "PROMPT_RUN", 8)
+    with torch.inference_mode():  # blocks as an iterator, a prompt longer than PROMPT_RUN: one by one
+        prompt = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(5))
         listed = model.run_blocks(prompt, [0, 1, 2], KVCache(model.config, max_len=16))
         iterated = model.run_blocks(prompt, iter([0, 1, 2]), KVCache(model.config, max_len=16))
     assert torch.equal(listed, iterated) and not torch.equal(listed, prompt)

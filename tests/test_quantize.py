@@ -231,6 +231,22 @@ def test_integer_kernel_is_its_definition_and_rows_are_alone(kind, n, k, instruc
             assert torch.equal(product(x[start : start + rows]), y[start : start + rows])
 
 
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (37, 768)])
+def test_int4_of_bf16_inputs_is_its_definition_and_rows_are_alone(n, k, instruction_set):
+    """bf16 inputs (an int4 model's activations) take the tile that adds the products in pairs where
+    the CPU has AVX-512 BF16: still the definition (the products are exact, the sums float32), and each
+    row's result the same alone or among others."""
+    torch.manual_seed(1)
+    product, reference = integer_product("int4", torch.randn(n, k) * 0.05)
+    x = torch.randn(9, k).to(torch.bfloat16)
+    y = product(x)
+    assert y.shape == (9, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), reference(x).to(torch.bfloat16).double(), rtol=1e-2, atol=1e-2)
+    for rows in (1, 3, 4, 5):
+        for start in range(0, 9 - rows + 1, 2):
+            assert torch.equal(product(x[start : start + rows]), y[start : start + rows])
+
+
 def test_w8a8_takes_every_int8_value_and_refuses_weights_it_would_misread(instruction_set):
     """-128, which lab.quantize never makes, still multiplies as itself (AVX-512's offset trick
     negates in int32); scales of another dtype, which C would read past their end, are refused."""

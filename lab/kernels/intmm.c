@@ -280,6 +280,9 @@ static inline __attribute__((always_inline)) void each_row(rows_kernel *rows, in
 
 /* AVX-512 with VNNI: the same products on 512-bit registers, in tiles of ROWS x COLS (at most 4 x 4). */
 #define TILE_INLINE static inline AVX512 __attribute__((always_inline))
+/* AVX-512 VNNI and BF16: int4_mm's tile for bf16 inputs. */
+#define AVX512_INT4_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")))
+#define TILE_INLINE_BF16 static inline AVX512_INT4_BF16 __attribute__((always_inline))
 
 /* widen_lanes of 16 bf16 values. */
 TILE_INLINE __m512 widen_bf16x16(const uint16_t *h) {
@@ -730,6 +733,28 @@ static void int8_avx2(const struct float_product *p) { WEIGHT_ONLY_PRODUCT(int8_
  * register of the floats 0..15 (permutexvar reads an index's low 4 bits: one instruction a code),
  * AVX2 masks and converts it. */
 
+/* The end of a group in int4_block_rows: each row's sums of code * x (dot) into its outputs (acc), with
+ * the group's scales and zeros and each row's sum of x (sums, a row every G). */
+TILE_INLINE void int4_group(const int ROWS, __m512 acc[4], __m512 dot[4][CHAINS], const uint16_t *scales_zeros,
+                            const float *sums, int64_t G) {
+  const __m512 scales = widen_bf16x16(scales_zeros), zeros = widen_bf16x16(scales_zeros + 16);
+  const __m512 code_zero = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scales, zeros); /* zero - 8 * scale */
+  for (int r = 0; r < ROWS; ++r) {
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(dot[r][0], dot[r][1]), _mm512_add_ps(dot[r][2], dot[r][3]));
+    acc[r] = _mm512_fmadd_ps(scales, sum, acc[r]);
+    acc[r] = _mm512_fmadd_ps(code_zero, _mm512_set1_ps(sums[r * G]), acc[r]);
+  }
+}
+
+TILE_INLINE void int4_store(const int ROWS, const int COLS, __m512 acc[4], int64_t m0, int64_t n0,
+                            const struct float_product *p) {
+  for (int r = 0; r < ROWS; ++r) {
+    float out[16];
+    _mm512_storeu_ps(out, acc[r]);
+    for (int c = 0; c < COLS && n0 + c < p->N; ++c) float_store(p, m0 + r, n0 + c, out[c]);
+  }
+}
+
 /* Outputs n0 .. n0 + COLS - 1, COLS 16 (the layout's block n0 / 16), of input rows m0 .. m0 + ROWS - 1. */
 TILE_INLINE void int4_block_rows(const int ROWS, const int COLS, int64_t m0, int64_t n0,
                                  const struct float_product *p) {
@@ -758,19 +783,9 @@ TILE_INLINE void int4_block_rows(const int ROWS, const int COLS, int64_t m0, int
         }
       }
     }
-    const __m512 scales = widen_bf16x16(scales_zeros + g * 32), zeros = widen_bf16x16(scales_zeros + g * 32 + 16);
-    const __m512 code_zero = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scales, zeros); /* zero - 8 * scale */
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 sum = _mm512_add_ps(_mm512_add_ps(dot[r][0], dot[r][1]), _mm512_add_ps(dot[r][2], dot[r][3]));
-      acc[r] = _mm512_fmadd_ps(scales, sum, acc[r]);
-      acc[r] = _mm512_fmadd_ps(code_zero, _mm512_set1_ps(p->sums[(m0 + r) * G + g]), acc[r]);
-    }
+    int4_group(ROWS, acc, dot, scales_zeros + g * 32, p->sums + m0 * G + g, G);
   }
-  for (int r = 0; r < ROWS; ++r) {
-    float out[16];
-    _mm512_storeu_ps(out, acc[r]);
-    for (int c = 0; c < COLS && n0 + c < p->N; ++c) float_store(p, m0 + r, n0 + c, out[c]);
-  }
+  int4_store(ROWS, COLS, acc, m0, n0, p);
 }
 
 /* Outputs n0 .. n0 + COLS - 1, COLS 8 (half n0 / 8 % 2 of block n0 / 16), of input rows m0 .. m0 + ROWS - 1. */
@@ -814,7 +829,55 @@ static inline __attribute__((always_inline)) void int4_cols(const int ROWS, cons
   }
 }
 
+/* int4_block_rows for bf16 inputs (lab.quantize's activations) where the CPU has AVX-512 BF16: each code
+ * widened to a bf16 (0..15, exact) beside the code of the input it pairs with, and dpbf16ps adds two
+ * products a lane per instruction, half the multiply-adds of the float tile (a prompt's rows are bound
+ * by them). The products of a 4-bit code and a bf16 input are exact in float32; each pair is added in
+ * dpbf16ps' fixed order, so a row's result does not depend on the others. p->x: each row's inputs in
+ * pairs as the codes lie, 32-bit words (bf16 of input 8i + j, bf16 of 8i + 4 + j) for the run i of 8
+ * inputs and j 0..3, [M, K / 2] (int4_pairs). */
+TILE_INLINE_BF16 void int4_block_rows_bf16(const int ROWS, const int COLS, int64_t m0, int64_t n0,
+                                           const struct float_product *p) {
+  const int64_t K = p->K, G = K / GROUP;
+  /* word e of the table: bf16 of e's low 4 bits (vpermw reads an index's low 5 bits) */
+  const __m512i codes = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
+                                         0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160,
+                                         0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+                                         0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+  const uint8_t *block = (const uint8_t *)p->weights + n0 / COLS * G * 512;
+  const uint16_t *scales_zeros = p->scales + n0 / COLS * G * 32;
+  const uint32_t *pairs = (const uint32_t *)p->x;
+  __m512 acc[4];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 dot[4][CHAINS]; /* [row][chain]: sums of code * x, chain j over the pairs (8i + j, 8i + 4 + j) */
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < CHAINS; ++j) dot[r][j] = _mm512_setzero_ps();
+    for (int i = 0; i < 8; ++i) {
+      const uint8_t *run = block + g * 512 + i * 64;
+      if (m0 == 0) _mm_prefetch((const char *)(run + PREFETCH_BYTES), _MM_HINT_T0);
+      const __m512i bytes = _mm512_loadu_si512(run);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i low = _mm512_srli_epi32(bytes, 8 * j);                /* code 8i + j in bits 0..3 */
+        const __m512i high = _mm512_slli_epi32(low, 12);                     /* code 8i + 4 + j in bits 16..19 */
+        const __m512i index = _mm512_mask_blend_epi16(0xAAAAAAAA, low, high); /* the high words from high */
+        const __m512bh weights = (__m512bh)_mm512_permutexvar_epi16(index, codes);
+        for (int r = 0; r < ROWS; ++r) {
+          const __m512bh inputs = (__m512bh)_mm512_set1_epi32((int)pairs[(m0 + r) * (K / 2) + g * 32 + 4 * i + j]);
+          dot[r][j] = _mm512_dpbf16_ps(dot[r][j], weights, inputs);
+        }
+      }
+    }
+    int4_group(ROWS, acc, dot, scales_zeros + g * 32, p->sums + m0 * G + g, G);
+  }
+  int4_store(ROWS, COLS, acc, m0, n0, p);
+}
+
 static AVX512 void int4_avx512(const struct float_product *p) { WEIGHT_ONLY_PRODUCT(int4_block_rows, 16, p); }
+
+static AVX512_INT4_BF16 void int4_bf16_avx512(const struct float_product *p) {
+  WEIGHT_ONLY_PRODUCT(int4_block_rows_bf16, 16, p);
+}
 
 static void int4_avx2(const struct float_product *p) { WEIGHT_ONLY_PRODUCT(int4_cols, 8, p); }
 
@@ -884,10 +947,42 @@ int int8_mm(const void *x, int64_t M, int64_t K, int bf16, const int8_t *values,
   return 0;
 }
 
+/* int4_mm of bf16 inputs on AVX-512 BF16 (int4_block_rows_bf16): the inputs in pairs as the codes lie,
+ * and each row's sum per group of 64, in one fixed order whatever M is. */
+static int int4_bf16_mm(const void *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *scales_zeros,
+                        int64_t N, const void *bias, void *y) {
+  const int64_t G = K / GROUP;
+  const uint16_t *h = x;
+  uint32_t *pairs = malloc(sizeof(uint32_t) * (size_t)(M * K / 2));
+  float *sums = malloc(sizeof(float) * (size_t)(M * G));
+  if (pairs == NULL || sums == NULL) {
+    free(pairs);
+    free(sums);
+    return -1;
+  }
+  for (int64_t i = 0; i < M * G; ++i) { /* group i: runs of 8 inputs, pairs (8r + j, 8r + 4 + j) */
+    float sum = 0.f;
+    for (int j = 0; j < GROUP; ++j) sum += bf16_to_float(h[i * GROUP + j]);
+    sums[i] = sum;
+    for (int r = 0; r < 8; ++r)
+      for (int j = 0; j < 4; ++j) {
+        const uint16_t *run = h + i * GROUP + 8 * r;
+        pairs[i * 32 + 4 * r + j] = (uint32_t)run[j] | (uint32_t)run[4 + j] << 16;
+      }
+  }
+  struct float_product p = {.M = M, .K = K, .N = N, .x = pairs, .weights = packed, .scales = scales_zeros,
+                            .sums = sums, .bias = bias, .y = y, .bf16 = 1};
+  int4_bf16_avx512(&p);
+  free(pairs);
+  free(sums);
+  return 0;
+}
+
 /* y [M, N] = x [M, K] times the packed 4-bit weights [N / 16, K / 64, 8, 64] (w4a8's layout) + bias, the
  * inputs as they are. Returns as f32_mm. */
 int int4_mm(const void *x, int64_t M, int64_t K, int bf16, const uint8_t *packed, const uint16_t *scales_zeros,
             int64_t N, const void *bias, void *y) {
+  if (bf16 && intmm_isa(-1) == 1 && avx512_bf16()) return int4_bf16_mm(x, M, K, packed, scales_zeros, N, bias, y);
   void *scratch = NULL;
   const int64_t G = K / GROUP;
   const float *inputs = float_inputs(x, bf16, 0, M * K, &scratch);
