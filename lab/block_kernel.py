@@ -17,8 +17,7 @@ with the same parameters, state dict and hook points as the modules they replace
   so a row's result is the one it gets alone (batch invariance), and a prompt gets the same whatever
   chunks it is fed in (float weights: chunks the call takes). Float products take it at one row, or
   any number under ``lab.rows.rows_alone``, as ``lab.float_kernels`` does, and a sequence's tokens up to
-  ``PROMPT_RUN`` (a longer float run keeps torch's matrix-matrix products).
-  int4 and int8 where
+  ``PROMPT_RUN`` (a longer float run keeps torch's matrix-matrix products). int4 and int8 where
   torch's kernels compute them (``QuantizedLinear.kernel``), other norms, training, gradients,
   ``torch.compile``, and any step while a module of the block is hooked keep the modules' forward,
   which computes the same up to the last bits of a LayerNorm's and a GELU's arithmetic.

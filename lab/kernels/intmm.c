@@ -280,7 +280,7 @@ static inline __attribute__((always_inline)) void each_row(rows_kernel *rows, in
 
 /* AVX-512 with VNNI: the same products on 512-bit registers, in tiles of ROWS x COLS (at most 4 x 4). */
 #define TILE_INLINE static inline AVX512 __attribute__((always_inline))
-/* AVX-512 VNNI and BF16: int4_mm's tile for bf16 inputs. */
+/* AVX-512 VNNI and BF16: int4_mm's tiles (int4_tile). */
 #define AVX512_INT4_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")))
 #define TILE_INLINE_BF16 static inline AVX512_INT4_BF16 __attribute__((always_inline))
 
@@ -733,36 +733,27 @@ static void int8_avx2(const struct float_product *p) { WEIGHT_ONLY_PRODUCT(int8_
  * register of the floats 0..15 (permutexvar reads an index's low 4 bits: one instruction a code),
  * AVX2 masks and converts it. */
 
-/* The end of a group in int4_block_rows: each row's sums of code * x (dot) into its outputs (acc), with
- * the group's scales and zeros and each row's sum of x (sums, a row every G). */
-TILE_INLINE void int4_group(const int ROWS, __m512 acc[4], __m512 dot[4][CHAINS], const uint16_t *scales_zeros,
-                            const float *sums, int64_t G) {
-  const __m512 scales = widen_bf16x16(scales_zeros), zeros = widen_bf16x16(scales_zeros + 16);
-  const __m512 code_zero = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scales, zeros); /* zero - 8 * scale */
-  for (int r = 0; r < ROWS; ++r) {
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(dot[r][0], dot[r][1]), _mm512_add_ps(dot[r][2], dot[r][3]));
-    acc[r] = _mm512_fmadd_ps(scales, sum, acc[r]);
-    acc[r] = _mm512_fmadd_ps(code_zero, _mm512_set1_ps(sums[r * G]), acc[r]);
-  }
-}
-
-TILE_INLINE void int4_store(const int ROWS, const int COLS, __m512 acc[4], int64_t m0, int64_t n0,
-                            const struct float_product *p) {
-  for (int r = 0; r < ROWS; ++r) {
-    float out[16];
-    _mm512_storeu_ps(out, acc[r]);
-    for (int c = 0; c < COLS && n0 + c < p->N; ++c) float_store(p, m0 + r, n0 + c, out[c]);
-  }
-}
-
-/* Outputs n0 .. n0 + COLS - 1, COLS 16 (the layout's block n0 / 16), of input rows m0 .. m0 + ROWS - 1. */
-TILE_INLINE void int4_block_rows(const int ROWS, const int COLS, int64_t m0, int64_t n0,
-                                 const struct float_product *p) {
+/* Outputs n0 .. n0 + COLS - 1, COLS 16 (the layout's block n0 / 16), of input rows m0 .. m0 + ROWS - 1;
+ * PAIRED (a constant): bf16 inputs where the CPU has AVX-512 BF16, each code widened to a bf16 (0..15,
+ * exact) beside the code of the input it pairs with, and dpbf16ps adds two products a lane per
+ * instruction, half the float multiply-adds (a prompt's rows are bound by them). The products of a
+ * 4-bit code and a bf16 input are exact in float32, and each pair is added in dpbf16ps' fixed order,
+ * so a row's result does not depend on the others. p->x: float32 inputs [M, K], or PAIRED each row's
+ * inputs in pairs as the codes lie, 32-bit words (bf16 of input 8i + j, bf16 of 8i + 4 + j) for the run
+ * i of 8 inputs and j 0..3, [M, K / 2] (int4_bf16_mm). */
+TILE_INLINE_BF16 void int4_tile(const int PAIRED, const int ROWS, const int COLS, int64_t m0, int64_t n0,
+                                const struct float_product *p) {
   const int64_t K = p->K, G = K / GROUP;
   const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  /* word e: bf16 of e's low 4 bits (vpermw reads an index's low 5 bits) */
+  const __m512i bf16_codes = _mm512_set_epi16(
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000,
+      0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080,
+      0x4040, 0x4000, 0x3f80, 0x0000);
   const uint8_t *block = (const uint8_t *)p->weights + n0 / COLS * G * 512;
   const uint16_t *scales_zeros = p->scales + n0 / COLS * G * 32;
   const float *x = (const float *)p->x;
+  const uint32_t *pairs = (const uint32_t *)p->x;
   __m512 acc[4];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -774,18 +765,50 @@ TILE_INLINE void int4_block_rows(const int ROWS, const int COLS, int64_t m0, int
       if (m0 == 0) _mm_prefetch((const char *)(run + PREFETCH_BYTES), _MM_HINT_T0);
       const __m512i bytes = _mm512_loadu_si512(run);
       for (int j = 0; j < 4; ++j) {
-        const __m512 first = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 8 * j), codes);      /* 8i + j */
-        const __m512 second = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 8 * j + 4), codes); /* 8i + 4 + j */
-        for (int r = 0; r < ROWS; ++r) {
-          const float *inputs = x + (m0 + r) * K + g * GROUP + 8 * i;
-          dot[r][j] = _mm512_fmadd_ps(first, _mm512_set1_ps(inputs[j]), dot[r][j]);
-          dot[r][j] = _mm512_fmadd_ps(second, _mm512_set1_ps(inputs[4 + j]), dot[r][j]);
+        if (PAIRED) {
+          const __m512i low = _mm512_srli_epi32(bytes, 8 * j);                 /* code 8i + j in bits 0..3 */
+          const __m512i high = _mm512_slli_epi32(low, 12);                      /* code 8i + 4 + j in bits 16..19 */
+          const __m512i index = _mm512_mask_blend_epi16(0xAAAAAAAA, low, high); /* the high words from high */
+          const __m512bh weights = (__m512bh)_mm512_permutexvar_epi16(index, bf16_codes);
+          for (int r = 0; r < ROWS; ++r) {
+            const int word = (int)pairs[(m0 + r) * (K / 2) + g * 32 + 4 * i + j];
+            dot[r][j] = _mm512_dpbf16_ps(dot[r][j], weights, (__m512bh)_mm512_set1_epi32(word));
+          }
+        } else {
+          const __m512 first = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 8 * j), codes);      /* 8i + j */
+          const __m512 second = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 8 * j + 4), codes); /* 8i + 4 + j */
+          for (int r = 0; r < ROWS; ++r) {
+            const float *inputs = x + (m0 + r) * K + g * GROUP + 8 * i;
+            dot[r][j] = _mm512_fmadd_ps(first, _mm512_set1_ps(inputs[j]), dot[r][j]);
+            dot[r][j] = _mm512_fmadd_ps(second, _mm512_set1_ps(inputs[4 + j]), dot[r][j]);
+          }
         }
       }
     }
-    int4_group(ROWS, acc, dot, scales_zeros + g * 32, p->sums + m0 * G + g, G);
+    const __m512 scales = widen_bf16x16(scales_zeros + g * 32), zeros = widen_bf16x16(scales_zeros + g * 32 + 16);
+    const __m512 code_zero = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scales, zeros); /* zero - 8 * scale */
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(dot[r][0], dot[r][1]), _mm512_add_ps(dot[r][2], dot[r][3]));
+      acc[r] = _mm512_fmadd_ps(scales, sum, acc[r]);
+      acc[r] = _mm512_fmadd_ps(code_zero, _mm512_set1_ps(p->sums[(m0 + r) * G + g]), acc[r]);
+    }
   }
-  int4_store(ROWS, COLS, acc, m0, n0, p);
+  for (int r = 0; r < ROWS; ++r) {
+    float out[16];
+    _mm512_storeu_ps(out, acc[r]);
+    for (int c = 0; c < COLS && n0 + c < p->N; ++c) float_store(p, m0 + r, n0 + c, out[c]);
+  }
+}
+
+/* int4_tile as WEIGHT_ONLY_PRODUCT calls it, TILE(ROWS, COLS, m0, n0, p): float32 inputs, paired bf16. */
+TILE_INLINE_BF16 void int4_block_rows(const int ROWS, const int COLS, int64_t m0, int64_t n0,
+                                      const struct float_product *p) {
+  int4_tile(0, ROWS, COLS, m0, n0, p);
+}
+
+TILE_INLINE_BF16 void int4_block_rows_bf16(const int ROWS, const int COLS, int64_t m0, int64_t n0,
+                                           const struct float_product *p) {
+  int4_tile(1, ROWS, COLS, m0, n0, p);
 }
 
 /* Outputs n0 .. n0 + COLS - 1, COLS 8 (half n0 / 8 % 2 of block n0 / 16), of input rows m0 .. m0 + ROWS - 1. */
@@ -829,51 +852,8 @@ static inline __attribute__((always_inline)) void int4_cols(const int ROWS, cons
   }
 }
 
-/* int4_block_rows for bf16 inputs (lab.quantize's activations) where the CPU has AVX-512 BF16: each code
- * widened to a bf16 (0..15, exact) beside the code of the input it pairs with, and dpbf16ps adds two
- * products a lane per instruction, half the multiply-adds of the float tile (a prompt's rows are bound
- * by them). The products of a 4-bit code and a bf16 input are exact in float32; each pair is added in
- * dpbf16ps' fixed order, so a row's result does not depend on the others. p->x: each row's inputs in
- * pairs as the codes lie, 32-bit words (bf16 of input 8i + j, bf16 of 8i + 4 + j) for the run i of 8
- * inputs and j 0..3, [M, K / 2] (int4_pairs). */
-TILE_INLINE_BF16 void int4_block_rows_bf16(const int ROWS, const int COLS, int64_t m0, int64_t n0,
-                                           const struct float_product *p) {
-  const int64_t K = p->K, G = K / GROUP;
-  /* word e of the table: bf16 of e's low 4 bits (vpermw reads an index's low 5 bits) */
-  const __m512i codes = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
-                                         0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160,
-                                         0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
-                                         0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
-  const uint8_t *block = (const uint8_t *)p->weights + n0 / COLS * G * 512;
-  const uint16_t *scales_zeros = p->scales + n0 / COLS * G * 32;
-  const uint32_t *pairs = (const uint32_t *)p->x;
-  __m512 acc[4];
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 dot[4][CHAINS]; /* [row][chain]: sums of code * x, chain j over the pairs (8i + j, 8i + 4 + j) */
-    for (int r = 0; r < ROWS; ++r)
-      for (int j = 0; j < CHAINS; ++j) dot[r][j] = _mm512_setzero_ps();
-    for (int i = 0; i < 8; ++i) {
-      const uint8_t *run = block + g * 512 + i * 64;
-      if (m0 == 0) _mm_prefetch((const char *)(run + PREFETCH_BYTES), _MM_HINT_T0);
-      const __m512i bytes = _mm512_loadu_si512(run);
-      for (int j = 0; j < 4; ++j) {
-        const __m512i low = _mm512_srli_epi32(bytes, 8 * j);                /* code 8i + j in bits 0..3 */
-        const __m512i high = _mm512_slli_epi32(low, 12);                     /* code 8i + 4 + j in bits 16..19 */
-        const __m512i index = _mm512_mask_blend_epi16(0xAAAAAAAA, low, high); /* the high words from high */
-        const __m512bh weights = (__m512bh)_mm512_permutexvar_epi16(index, codes);
-        for (int r = 0; r < ROWS; ++r) {
-          const __m512bh inputs = (__m512bh)_mm512_set1_epi32((int)pairs[(m0 + r) * (K / 2) + g * 32 + 4 * i + j]);
-          dot[r][j] = _mm512_dpbf16_ps(dot[r][j], weights, inputs);
-        }
-      }
-    }
-    int4_group(ROWS, acc, dot, scales_zeros + g * 32, p->sums + m0 * G + g, G);
-  }
-  int4_store(ROWS, COLS, acc, m0, n0, p);
-}
-
-static AVX512 void int4_avx512(const struct float_product *p) { WEIGHT_ONLY_PRODUCT(int4_block_rows, 16, p); }
+/* AVX-512 BF16 in the target for int4_tile's paired version; the float one uses none of it. */
+static AVX512_INT4_BF16 void int4_avx512(const struct float_product *p) { WEIGHT_ONLY_PRODUCT(int4_block_rows, 16, p); }
 
 static AVX512_INT4_BF16 void int4_bf16_avx512(const struct float_product *p) {
   WEIGHT_ONLY_PRODUCT(int4_block_rows_bf16, 16, p);
