@@ -533,30 +533,52 @@ static inline AVX512_BF16 __attribute__((always_inline)) void float_tile_avx512(
     for (int c = 0; c < COLS; ++c) float_store(p, m0 + r, n0 + c, _mm512_reduce_add_ps(acc[r][c]));
 }
 
+/* One vector of inputs k .. k + 7 into the tile's sums acc (one chain's). */
+static inline __attribute__((always_inline)) void float_step_avx2(const int BF16, const int ROWS, const int COLS,
+                                                                   int64_t k, int64_t n0, const float *x,
+                                                                   const struct float_product *p,
+                                                                   __m256 acc[NARROW_ROWS][FLOAT_TILE]) {
+  const int64_t K = p->K;
+  __m256 w[FLOAT_TILE];
+  for (int c = 0; c < COLS; ++c) {
+    const int64_t at = (n0 + c) * K + k;
+    w[c] = BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p->weights + at))), 16))
+                : _mm256_loadu_ps((const float *)p->weights + at);
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    const __m256 a = _mm256_loadu_ps(x + r * K + k);
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_fmadd_ps(w[c], a, acc[r][c]);
+  }
+}
+
+/* bf16: each sum in two chains, the even vectors of inputs and the odd ones, added at the end. A tile
+ * of a few sums runs them side by side, so that a row alone does not wait on the multiply-adds'
+ * latency (widening the weights makes that the bound, not the memory); a larger one runs them one
+ * after the other, as their sums side by side would not fit in AVX2's 16 registers: the same
+ * operations in the same order either way. float32: one chain, bound by the memory's rate. */
 static inline __attribute__((always_inline)) void float_tile_avx2(const int BF16, const int ROWS, const int COLS,
                                                                    int64_t m0, int64_t n0,
                                                                    const struct float_product *p) {
   const int64_t K = p->K, full = K / 8 * 8;
   const float *x = (const float *)p->x + m0 * K;
-  __m256 acc[NARROW_ROWS][FLOAT_TILE];
+  __m256 even[NARROW_ROWS][FLOAT_TILE], odd[NARROW_ROWS][FLOAT_TILE];
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < full; k += 8) {
-    __m256 w[FLOAT_TILE];
-    for (int c = 0; c < COLS; ++c) {
-      const int64_t at = (n0 + c) * K + k;
-      w[c] = BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
-                        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p->weights + at))), 16))
-                  : _mm256_loadu_ps((const float *)p->weights + at);
+    for (int c = 0; c < COLS; ++c) even[r][c] = odd[r][c] = _mm256_setzero_ps();
+  if (!BF16) {
+    for (int64_t k = 0; k < full; k += 8) float_step_avx2(BF16, ROWS, COLS, k, n0, x, p, even);
+  } else if (ROWS * COLS <= 4) {
+    for (int64_t k = 0; k < full; k += 16) {
+      float_step_avx2(BF16, ROWS, COLS, k, n0, x, p, even);
+      if (k + 8 < full) float_step_avx2(BF16, ROWS, COLS, k + 8, n0, x, p, odd);
     }
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 a = _mm256_loadu_ps(x + r * K + k);
-      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_fmadd_ps(w[c], a, acc[r][c]);
-    }
+  } else {
+    for (int64_t k = 0; k < full; k += 16) float_step_avx2(BF16, ROWS, COLS, k, n0, x, p, even);
+    for (int64_t k = 8; k < full; k += 16) float_step_avx2(BF16, ROWS, COLS, k, n0, x, p, odd);
   }
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < COLS; ++c) {
-      float value = sum_lanes(acc[r][c]);
+      float value = sum_lanes(_mm256_add_ps(even[r][c], odd[r][c]));
       for (int64_t k = full; k < K; ++k) {
         const int64_t at = (n0 + c) * K + k;
         value += (BF16 ? bf16_to_float(((const uint16_t *)p->weights)[at]) : ((const float *)p->weights)[at]) *
@@ -632,10 +654,12 @@ static void f32_avx2(const struct float_product *p) { FLOAT_PRODUCT(f32_tile_avx
  *   int4_mm: w4a8's layout and weights (below).
  *
  * Both take up to 4 input rows per widening of the weights, and sum each row's products in 4 chains of
- * fused multiply-adds (AVX2: 2), so that a row is not held up by their latency; each output's sum is
+ * fused multiply-adds (AVX2: 3), so that a row is not held up by their latency; each output's sum is
  * the same sequence of operations whichever rows share the call (batch invariance). */
 
 #define CHAINS 4
+/* AVX2's 16 registers hold 3 chains for each of 4 rows, and the weights' vector */
+#define INT8_AVX2_CHAINS 3
 
 /* int8_mm's output n of input rows m0 .. m0 + ROWS - 1 (COLS 1), inputs float32. */
 TILE_INLINE void int8_rows_avx512(const int ROWS, const int COLS, int64_t m0, int64_t n,
@@ -671,16 +695,17 @@ static inline __attribute__((always_inline)) void int8_rows_avx2(const int ROWS,
   const int64_t K = p->K, full = K / 8 * 8;
   const int8_t *w = (const int8_t *)p->weights + n * K;
   const float *x = (const float *)p->x + m0 * K;
-  __m256 acc[4][2];
-  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < full; k += 16)
-    for (int j = 0; j < 2 && k + 8 * j < full; ++j) {
+  __m256 acc[4][INT8_AVX2_CHAINS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < INT8_AVX2_CHAINS; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < full; k += INT8_AVX2_CHAINS * 8)
+    for (int j = 0; j < INT8_AVX2_CHAINS && k + 8 * j < full; ++j) {
       const __m256 weight = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k + 8 * j))));
       for (int r = 0; r < ROWS; ++r) acc[r][j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(x + r * K + k + 8 * j), acc[r][j]);
     }
   const float scale = bf16_to_float(p->scales[n]);
   for (int r = 0; r < ROWS; ++r) {
-    float value = sum_lanes(_mm256_add_ps(acc[r][0], acc[r][1]));
+    float value = sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), acc[r][2]));
     for (int64_t k = full; k < K; ++k) value += (float)w[k] * x[r * K + k];
     float_store(p, m0 + r, n, scale * value);
   }
