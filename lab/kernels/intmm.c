@@ -836,44 +836,69 @@ TILE_INLINE_BF16 void int4_block_rows_bf16(const int ROWS, const int COLS, int64
   int4_tile(1, ROWS, COLS, m0, n0, p);
 }
 
-/* Outputs n0 .. n0 + COLS - 1, COLS 8 (half n0 / 8 % 2 of block n0 / 16), of input rows m0 .. m0 + ROWS - 1. */
-static inline __attribute__((always_inline)) void int4_cols(const int ROWS, const int COLS, int64_t m0, int64_t n0,
-                                                            const struct float_product *p) {
-  const int64_t K = p->K, G = K / GROUP, n = n0 / COLS, half = n % 2;
+/* Outputs n0 .. n0 + 8 * HALVES - 1 of block n0 / 16 (HALVES 1: its half n0 / 8 % 2 alone; 2: both, each
+ * 64-byte run read whole at once), of input rows m0 .. m0 + ROWS - 1. */
+static inline __attribute__((always_inline)) void int4_halves(const int HALVES, const int ROWS, int64_t m0, int64_t n0,
+                                                              const struct float_product *p) {
+  const int64_t K = p->K, G = K / GROUP, first_half = n0 / 8 % 2;
   const __m256i low_nibble = _mm256_set1_epi32(0x0F);
-  const uint8_t *block = (const uint8_t *)p->weights + n / 2 * G * 512 + half * 32;
-  const uint16_t *scales_zeros = p->scales + n / 2 * G * 32 + half * 8;
+  const uint8_t *block = (const uint8_t *)p->weights + n0 / 16 * G * 512 + first_half * 32;
+  const uint16_t *scales_zeros = p->scales + n0 / 16 * G * 32 + first_half * 8;
   const float *x = (const float *)p->x;
-  __m256 acc[4];
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[4][2];
+  for (int r = 0; r < ROWS; ++r)
+    for (int h = 0; h < HALVES; ++h) acc[r][h] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m256 dot[4][2]; /* [row][chain]: sums of code * x, chain 0 over inputs 8i + j, 1 over 8i + 4 + j */
-    for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_ps();
+    __m256 dot[4][2][2]; /* [row][half][chain]: sums of code * x, chain 0 over inputs 8i + j, 1 over 8i + 4 + j */
+    for (int r = 0; r < ROWS; ++r)
+      for (int h = 0; h < HALVES; ++h) dot[r][h][0] = dot[r][h][1] = _mm256_setzero_ps();
     for (int i = 0; i < 8; ++i) {
       const uint8_t *run = block + g * 512 + i * 64;
       if (m0 == 0) _mm_prefetch((const char *)(run + PREFETCH_BYTES), _MM_HINT_T0);
-      const __m256i bytes = _mm256_loadu_si256((const __m256i *)run);
-      for (int j = 0; j < 4; ++j) {
-        const __m256 first = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes, 8 * j), low_nibble));
-        const __m256 second = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes, 8 * j + 4), low_nibble));
-        for (int r = 0; r < ROWS; ++r) {
-          const float *inputs = x + (m0 + r) * K + g * GROUP + 8 * i;
-          dot[r][0] = _mm256_fmadd_ps(first, _mm256_set1_ps(inputs[j]), dot[r][0]);
-          dot[r][1] = _mm256_fmadd_ps(second, _mm256_set1_ps(inputs[4 + j]), dot[r][1]);
+      __m256i bytes[2];
+      for (int h = 0; h < HALVES; ++h) bytes[h] = _mm256_loadu_si256((const __m256i *)(run + 32 * h));
+      for (int j = 0; j < 4; ++j)
+        for (int h = 0; h < HALVES; ++h) {
+          const __m256 first = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes[h], 8 * j), low_nibble));
+          const __m256 second =
+              _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes[h], 8 * j + 4), low_nibble));
+          for (int r = 0; r < ROWS; ++r) {
+            const float *inputs = x + (m0 + r) * K + g * GROUP + 8 * i;
+            dot[r][h][0] = _mm256_fmadd_ps(first, _mm256_set1_ps(inputs[j]), dot[r][h][0]);
+            dot[r][h][1] = _mm256_fmadd_ps(second, _mm256_set1_ps(inputs[4 + j]), dot[r][h][1]);
+          }
         }
+    }
+    for (int h = 0; h < HALVES; ++h) {
+      const __m256 scales = widen_lanes(1, scales_zeros, g * 32 + 8 * h);
+      const __m256 zeros = widen_lanes(1, scales_zeros, g * 32 + 16 + 8 * h);
+      const __m256 code_zero = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scales, zeros);
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r][h] = _mm256_fmadd_ps(scales, _mm256_add_ps(dot[r][h][0], dot[r][h][1]), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(code_zero, _mm256_set1_ps(p->sums[(m0 + r) * G + g]), acc[r][h]);
       }
     }
-    const __m256 scales = widen_lanes(1, scales_zeros, g * 32), zeros = widen_lanes(1, scales_zeros, g * 32 + 16);
-    const __m256 code_zero = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scales, zeros);
-    for (int r = 0; r < ROWS; ++r) {
-      acc[r] = _mm256_fmadd_ps(scales, _mm256_add_ps(dot[r][0], dot[r][1]), acc[r]);
-      acc[r] = _mm256_fmadd_ps(code_zero, _mm256_set1_ps(p->sums[(m0 + r) * G + g]), acc[r]);
-    }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    float out[8];
-    _mm256_storeu_ps(out, acc[r]);
-    for (int c = 0; c < 8 && 8 * n + c < p->N; ++c) float_store(p, m0 + r, 8 * n + c, out[c]);
+  for (int r = 0; r < ROWS; ++r)
+    for (int h = 0; h < HALVES; ++h) {
+      float out[8];
+      _mm256_storeu_ps(out, acc[r][h]);
+      for (int c = 0; c < 8 && n0 + 8 * h + c < p->N; ++c) float_store(p, m0 + r, n0 + 8 * h + c, out[c]);
+    }
+}
+
+/* Outputs n0 .. n0 + 15 (COLS 16, block n0 / 16) of input rows m0 .. m0 + ROWS - 1: both halves of each
+ * run together for up to 2 rows (a decode step's row reads each 64-byte run once, whole), one half
+ * after the other for more (their sums side by side would not fit in AVX2's 16 registers). Each
+ * output's sums are the same operations either way. */
+static inline __attribute__((always_inline)) void int4_cols(const int ROWS, const int COLS, int64_t m0, int64_t n0,
+                                                            const struct float_product *p) {
+  (void)COLS;
+  if (ROWS <= 2) {
+    int4_halves(2, ROWS, m0, n0, p);
+  } else {
+    int4_halves(1, ROWS, m0, n0, p);
+    int4_halves(1, ROWS, m0, n0 + 8, p);
   }
 }
 
@@ -884,7 +909,7 @@ static AVX512_INT4_BF16 void int4_bf16_avx512(const struct float_product *p) {
   WEIGHT_ONLY_PRODUCT(int4_block_rows_bf16, 16, p);
 }
 
-static void int4_avx2(const struct float_product *p) { WEIGHT_ONLY_PRODUCT(int4_cols, 8, p); }
+static void int4_avx2(const struct float_product *p) { WEIGHT_ONLY_PRODUCT(int4_cols, 16, p); }
 
 /* x [M, K] in float32, from x as it is (bf16: widened; round_to_bf16: rounded first), into scratch;
  * x itself when nothing changes. NULL when there is no memory. */
