@@ -33,7 +33,9 @@ COMMANDS = {  # the commands whose parsers the training lab and the measurements
     "depth": "lab.analysis.depth",
     "cost": "lab.analysis.cost",
 }
-SCRIPTS = ("bench_train", "bench_decode", "bench_speculate", "bench_all", "bench_intmm")
+SCRIPTS = (
+    "bench_train", "bench_decode", "bench_speculate", "bench_all", "bench_intmm", "bench_kernel_change",
+)  # fmt: skip
 
 
 def slug(heading: str) -> str:

@@ -1,0 +1,120 @@
+"""A change to lab/kernels/intmm.c against another version of the file, in one process, call by call.
+
+    git show HEAD~1:lab/kernels/intmm.c > /tmp/before.c
+    python scripts/bench_kernel_change.py --before /tmp/before.c
+    python scripts/bench_kernel_change.py --before /tmp/before.c --kinds '[int4, bf16]' --threads 1
+
+Both versions are built (``lab.intmm``'s flags, cached by their digest) and loaded side by side. For
+each weight kind (int4, int8 weight-only; bf16, f32) and row count, one GPT-2 small block's four
+products (c_attn 2304 x 768, c_proj 768 x 768, c_fc 3072 x 768, its c_proj 768 x 3072), bf16 rows in
+(float32 for f32, as the models feed them), are timed under each version in turn, ``--calls`` times
+each: load and drift fall on both alike. Reported: the medians (ms for the four products), after /
+before with the 95% bootstrap interval of the per-call ratio, and whether the two versions' outputs
+are bit for bit equal (a change meant to keep the sums, or one meant to change their order; bf16
+outputs can round two orders' sums to the same value).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from json import dumps
+from pathlib import Path
+
+import torch
+
+from lab import flags, intmm
+from lab.machine import cpu_description
+from lab.measure import interval
+from lab.quantize import quantize_groups_int4, quantize_rows_int8
+
+SHAPES = ((2304, 768), (768, 768), (3072, 768), (768, 3072))
+"""GPT-2 small's block: (outputs, inputs) of each weight."""
+KINDS = ("int4", "int8", "bf16", "f32")
+ROWS = (1, 4, 19, 64)
+
+
+def product(kind: str, n: int, k: int):
+    """lab.intmm's product of ``kind`` on random weights [n, k] as lab.quantize stores them."""
+    weight = torch.randn(n, k) * 0.05
+    if kind == "int4":
+        packed = intmm.w4a8_pack(*quantize_groups_int4(weight, 64))
+        return lambda x: intmm.int4_matmul(x, *packed, None, n)
+    if kind == "int8":
+        values, scales = quantize_rows_int8(weight)
+        scales = scales.to(torch.bfloat16)
+        return lambda x: intmm.int8_matmul(x, values, scales)
+    if kind == "bf16":
+        weight = weight.to(torch.bfloat16)
+        return lambda x: intmm.bf16_matmul(x, weight)
+    return lambda x: intmm.f32_matmul(x, weight)
+
+
+def main(
+    before: Path,
+    kinds: tuple[str, ...] = KINDS,
+    rows: tuple[int, ...] = ROWS,
+    threads: int = 2,
+    calls: int = 40,
+    json: Path | None = None,
+) -> None:
+    """Time both versions and print the table and the JSON (written to ``json`` if given).
+
+    Args:
+        before: The other version of lab/kernels/intmm.c (this checkout's is "after").
+        kinds: Weight kinds, of int4, int8, bf16, f32.
+        rows: Input rows per product.
+        threads: torch's threads, which the kernels' OpenMP loops run in.
+        calls: Calls of each version per kind and row count (more rows: a third as many, at least 5).
+        json: Also write the results here.
+    """
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    libraries = {"after": intmm._library()}
+    intmm._library.cache_clear()
+    intmm.SOURCE, after_source = before.expanduser(), intmm.SOURCE
+    libraries["before"] = intmm._library()
+    intmm.SOURCE = after_source
+    # lab.intmm looks each C function up through _function: pointing it at one library or the other
+    # switches every product without touching their hot path.
+    chosen = ["after"]
+    intmm._function = lambda name: getattr(libraries[chosen[0]], name)
+    results = {"machine": cpu_description(), "threads": threads, "before": str(before), "measures": {}}
+    for kind in kinds:
+        products = [(k, product(kind, n, k)) for n, k in SHAPES]
+        dtype = torch.float32 if kind == "f32" else torch.bfloat16
+        for m in rows:
+            inputs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k in SHAPES}}
+            times: dict[str, list[float]] = {"before": [], "after": []}
+            outputs = {}
+            for _ in range(calls if m <= 4 else max(5, calls // 3)):
+                for version in ("before", "after"):
+                    chosen[0] = version
+                    start = time.perf_counter()
+                    outputs[version] = [call(inputs[k]) for k, call in products]
+                    times[version].append(time.perf_counter() - start)
+            ratios = [a / b for a, b in zip(times["after"], times["before"], strict=True)]
+            low, high = interval(ratios)
+            equal = all(torch.equal(a, b) for a, b in zip(outputs["before"], outputs["after"], strict=True))
+            measure = {
+                "before_ms": round(statistics.median(times["before"]) * 1e3, 3),
+                "after_ms": round(statistics.median(times["after"]) * 1e3, 3),
+                "after_over_before": round(statistics.median(ratios), 3),
+                "ci": [round(low, 3), round(high, 3)],
+                "bit_equal": equal,
+            }
+            results["measures"][f"{kind} rows={m}"] = measure
+            print(
+                f"{kind:5s} {m:3d} rows: before {measure['before_ms']:7.3f} ms, "
+                f"after {measure['after_ms']:7.3f} ms, after / before {measure['after_over_before']:.2f} "
+                f"[{low:.2f}, {high:.2f}], bit-equal {equal}",
+                flush=True,
+            )
+    text = dumps(results, indent=2)
+    print(text)
+    if json:
+        json.write_text(text)
+
+
+if __name__ == "__main__":
+    flags.call(main)
