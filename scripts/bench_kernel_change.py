@@ -3,6 +3,7 @@
     git show HEAD~1:lab/kernels/intmm.c > /tmp/before.c
     python scripts/bench_kernel_change.py --before /tmp/before.c
     python scripts/bench_kernel_change.py --before /tmp/before.c --kinds '[int4, bf16]' --threads 1
+    python scripts/bench_kernel_change.py --before /tmp/before.c --rows '[1]' --decode-rounds 9
 
 Both versions are built (``lab.intmm``'s flags, cached by their digest) and loaded side by side. For
 each weight kind (int4, int8 weight-only; bf16, f32) and row count, one GPT-2 small block's four
@@ -11,7 +12,10 @@ products (c_attn 2304 x 768, c_proj 768 x 768, c_fc 3072 x 768, its c_proj 768 x
 each: load and drift fall on both alike. Reported: the medians (ms for the four products), after /
 before with the 95% bootstrap interval of the per-call ratio, and whether the two versions' outputs
 are bit for bit equal (a change meant to keep the sums, or one meant to change their order; bf16
-outputs can round two orders' sums to the same value).
+outputs can round two orders' sums to the same value). With ``--decode-rounds N``, also batch-1 greedy
+decoding of ``gpt2-random`` in each kind's dtype (32 tokens after a 32-token prompt, ms/token, as
+``bench_llama_cpp`` times ours), the versions in turn for N rounds: the whole step, not the products
+alone.
 """
 
 from __future__ import annotations
@@ -24,14 +28,19 @@ from pathlib import Path
 import torch
 
 from lab import flags, intmm
+from lab.blocks import BlockSet
+from lab.decode import greedy_ms_per_token
 from lab.machine import cpu_description
 from lab.measure import interval
 from lab.quantize import quantize_groups_int4, quantize_rows_int8
+from lab.weights import load_model
 
 SHAPES = ((2304, 768), (768, 768), (3072, 768), (768, 3072))
 """GPT-2 small's block: (outputs, inputs) of each weight."""
 KINDS = ("int4", "int8", "bf16", "f32")
 ROWS = (1, 4, 19, 64)
+DTYPES = {"int4": "int4", "int8": "int8", "bf16": "bfloat16", "f32": "float32"}
+"""The model dtype whose products each kind is."""
 
 
 def product(kind: str, n: int, k: int):
@@ -56,6 +65,7 @@ def main(
     rows: tuple[int, ...] = ROWS,
     threads: int = 2,
     calls: int = 40,
+    decode_rounds: int = 0,
     json: Path | None = None,
 ) -> None:
     """Time both versions and print the table and the JSON (written to ``json`` if given).
@@ -66,6 +76,7 @@ def main(
         rows: Input rows per product.
         threads: torch's threads, which the kernels' OpenMP loops run in.
         calls: Calls of each version per kind and row count (more rows: a third as many, at least 5).
+        decode_rounds: Rounds of batch-1 decoding per kind (0: none).
         json: Also write the results here.
     """
     torch.set_num_threads(threads)
@@ -110,6 +121,29 @@ def main(
                 f"[{low:.2f}, {high:.2f}], bit-equal {equal}",
                 flush=True,
             )
+    for kind in kinds if decode_rounds else ():
+        model = load_model("gpt2-random", DTYPES[kind])
+        everything = BlockSet.parse("all", model.config.n_layer)
+        ms: dict[str, list[float]] = {"before": [], "after": []}
+        for _ in range(decode_rounds):
+            for version in ("before", "after"):
+                chosen[0] = version
+                ms[version].append(greedy_ms_per_token(model, everything, list(range(100, 132)), 32))
+        ratios = [a / b for a, b in zip(ms["after"], ms["before"], strict=True)]
+        low, high = interval(ratios)
+        measure = {
+            "before_ms_per_token": round(statistics.median(ms["before"]), 2),
+            "after_ms_per_token": round(statistics.median(ms["after"]), 2),
+            "after_over_before": round(statistics.median(ratios), 3),
+            "ci": [round(low, 3), round(high, 3)],
+        }
+        results["measures"][f"{kind} decode"] = measure
+        print(
+            f"{kind:5s} decode: before {measure['before_ms_per_token']} ms/token, "
+            f"after {measure['after_ms_per_token']}, after / before {measure['after_over_before']:.2f} "
+            f"[{low:.2f}, {high:.2f}]",
+            flush=True,
+        )
     text = dumps(results, indent=2)
     print(text)
     if json:

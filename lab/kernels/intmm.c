@@ -450,9 +450,11 @@ int intmm_isa(int request) {
  * all of them; more rows take tiles of 4 rows by 4 outputs (AVX2: 2), one load serving 4 sums, or,
  * for sums of at most SHORT_SUMS inputs, tiles of one row by 4 outputs (there a tile's 16 sums cost
  * more to reduce and store than its loads save); the weights of an output or a tile stay in the
- * first-level cache across the input rows, so they stream from memory once per call. They take no software
- * prefetch: one weight row after another is a stream the hardware prefetcher follows, and asking
- * for lines ahead of it slowed these products on a Zen 4 EPYC. Each
+ * first-level cache across the input rows, so they stream from memory once per call. The AVX-512
+ * versions take no software prefetch: one weight row after another is a stream the hardware
+ * prefetcher follows, and asking for lines ahead of it slowed these products on a Zen 4 EPYC. The
+ * AVX2 versions ask for one row's weights PREFETCH_BYTES ahead: on an AVX2-only EPYC that made a
+ * decode step faster (docs/inference.md, "On an AVX2-only CPU"). Each
  * output's sum runs over the inputs in a fixed order (vector lanes, then one fixed reduction of the
  * lanes, then the inputs past the last full vector), whatever M is: a row's result does not depend
  * on the others. Two versions each: AVX-512 (bf16: AVX-512 BF16's dpbf16ps, 32 products summed in
@@ -566,9 +568,15 @@ static inline __attribute__((always_inline)) void float_tile_avx2(const int BF16
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < COLS; ++c) even[r][c] = odd[r][c] = _mm256_setzero_ps();
   if (!BF16) {
-    for (int64_t k = 0; k < full; k += 8) float_step_avx2(BF16, ROWS, COLS, k, n0, x, p, even);
+    for (int64_t k = 0; k < full; k += 8) {
+      if (ROWS == 1 && COLS == 1 && k % 16 == 0) /* one line of float32 weights per 16 inputs */
+        _mm_prefetch((const char *)((const float *)p->weights + n0 * K + k) + PREFETCH_BYTES, _MM_HINT_T0);
+      float_step_avx2(BF16, ROWS, COLS, k, n0, x, p, even);
+    }
   } else if (ROWS * COLS <= 4) {
     for (int64_t k = 0; k < full; k += 16) {
+      if (ROWS == 1 && COLS == 1 && k % 32 == 0) /* one line of bf16 weights per 32 inputs */
+        _mm_prefetch((const char *)((const uint16_t *)p->weights + n0 * K + k) + PREFETCH_BYTES, _MM_HINT_T0);
       float_step_avx2(BF16, ROWS, COLS, k, n0, x, p, even);
       if (k + 8 < full) float_step_avx2(BF16, ROWS, COLS, k + 8, n0, x, p, odd);
     }
