@@ -174,11 +174,13 @@ def instruction_set(choose: str | None = None) -> str:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
+def _library(source_file: Path = SOURCE) -> ctypes.CDLL:
+    """The kernels built from ``source_file`` (another version of it: scripts/bench_kernel_change.py),
+    cached by the source's digest."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise OSError("no C compiler (cc, or $CC) on the PATH")
-    source = SOURCE.read_bytes()
+    source = source_file.read_bytes()
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     from lab.weights import cache_root  # here: lab.weights imports lab.quantize, which imports this
 

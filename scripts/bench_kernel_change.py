@@ -59,6 +59,19 @@ def product(kind: str, n: int, k: int):
     return lambda x: intmm.f32_matmul(x, weight)
 
 
+def compared(times: dict[str, list[float]], unit: str, scale: float = 1.0) -> dict:
+    """Medians of each version's ``times`` (times ``scale``, in ``unit``) and after / before: the median
+    of the paired ratios with its 95% bootstrap interval."""
+    ratios = [a / b for a, b in zip(times["after"], times["before"], strict=True)]
+    low, high = interval(ratios)
+    return {
+        f"before_{unit}": round(statistics.median(times["before"]) * scale, 3),
+        f"after_{unit}": round(statistics.median(times["after"]) * scale, 3),
+        "after_over_before": round(statistics.median(ratios), 3),
+        "ci": [round(low, 3), round(high, 3)],
+    }
+
+
 def main(
     before: Path,
     kinds: tuple[str, ...] = KINDS,
@@ -81,11 +94,7 @@ def main(
     """
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    libraries = {"after": intmm._library()}
-    intmm._library.cache_clear()
-    intmm.SOURCE, after_source = before.expanduser(), intmm.SOURCE
-    libraries["before"] = intmm._library()
-    intmm.SOURCE = after_source
+    libraries = {"after": intmm._library(), "before": intmm._library(before.expanduser())}
     # lab.intmm looks each C function up through _function: pointing it at one library or the other
     # switches every product without touching their hot path.
     chosen = ["after"]
@@ -104,21 +113,13 @@ def main(
                     start = time.perf_counter()
                     outputs[version] = [call(inputs[k]) for k, call in products]
                     times[version].append(time.perf_counter() - start)
-            ratios = [a / b for a, b in zip(times["after"], times["before"], strict=True)]
-            low, high = interval(ratios)
             equal = all(torch.equal(a, b) for a, b in zip(outputs["before"], outputs["after"], strict=True))
-            measure = {
-                "before_ms": round(statistics.median(times["before"]) * 1e3, 3),
-                "after_ms": round(statistics.median(times["after"]) * 1e3, 3),
-                "after_over_before": round(statistics.median(ratios), 3),
-                "ci": [round(low, 3), round(high, 3)],
-                "bit_equal": equal,
-            }
+            measure = compared(times, "ms", 1e3) | {"bit_equal": equal}
             results["measures"][f"{kind} rows={m}"] = measure
             print(
                 f"{kind:5s} {m:3d} rows: before {measure['before_ms']:7.3f} ms, "
                 f"after {measure['after_ms']:7.3f} ms, after / before {measure['after_over_before']:.2f} "
-                f"[{low:.2f}, {high:.2f}], bit-equal {equal}",
+                f"{measure['ci']}, bit-equal {equal}",
                 flush=True,
             )
     for kind in kinds if decode_rounds else ():
@@ -129,19 +130,12 @@ def main(
             for version in ("before", "after"):
                 chosen[0] = version
                 ms[version].append(greedy_ms_per_token(model, everything, list(range(100, 132)), 32))
-        ratios = [a / b for a, b in zip(ms["after"], ms["before"], strict=True)]
-        low, high = interval(ratios)
-        measure = {
-            "before_ms_per_token": round(statistics.median(ms["before"]), 2),
-            "after_ms_per_token": round(statistics.median(ms["after"]), 2),
-            "after_over_before": round(statistics.median(ratios), 3),
-            "ci": [round(low, 3), round(high, 3)],
-        }
+        measure = compared(ms, "ms_per_token")
         results["measures"][f"{kind} decode"] = measure
         print(
             f"{kind:5s} decode: before {measure['before_ms_per_token']} ms/token, "
             f"after {measure['after_ms_per_token']}, after / before {measure['after_over_before']:.2f} "
-            f"[{low:.2f}, {high:.2f}]",
+            f"{measure['ci']}",
             flush=True,
         )
     text = dumps(results, indent=2)
