@@ -190,7 +190,8 @@ def _library(source_file: Path = SOURCE) -> ctypes.CDLL:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory) as scratch:  # processes may build at once
             built = Path(scratch) / target.name
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True)
+            command = [compiler, *FLAGS, str(source_file), "-o", str(built)]
+            subprocess.run(command, check=True, capture_output=True)
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
     library.intmm_isa.restype, library.intmm_isa.argtypes = ctypes.c_int, [ctypes.c_int]

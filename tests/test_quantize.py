@@ -302,6 +302,16 @@ def test_the_instruction_set_is_chosen_by_name():
         intmm.instruction_set("sse4")
 
 
+@NO_KERNELS
+def test_another_version_of_the_source_builds_into_its_own_library(tmp_path, monkeypatch):
+    """scripts/bench_kernel_change.py loads two versions side by side: each library is built from
+    the file it names (it once built the shipped file under the other's digest, so both were one)."""
+    monkeypatch.setenv("BLOCKLAB_CACHE", str(tmp_path / "cache"))
+    other = tmp_path / "intmm.c"
+    other.write_text(intmm.SOURCE.read_text() + "\nint version_marker(void) { return 7; }\n")
+    assert intmm._library(other).version_marker() == 7
+    assert not hasattr(intmm._library(), "version_marker")
+
 @pytest.mark.parametrize(("kind", "weight_only"), [("w4a8", "int4"), ("w8a8", "int8")])
 def test_integer_products_without_their_kernels_are_refused_saying_why(monkeypatch, kind, weight_only):
     """Where the kernels cannot run (no AVX2, no compiler), quantizing and the server's settings say why."""
