@@ -312,6 +312,7 @@ def test_another_version_of_the_source_builds_into_its_own_library(tmp_path, mon
     assert intmm._library(other).version_marker() == 7
     assert not hasattr(intmm._library(), "version_marker")
 
+
 @pytest.mark.parametrize(("kind", "weight_only"), [("w4a8", "int4"), ("w8a8", "int8")])
 def test_integer_products_without_their_kernels_are_refused_saying_why(monkeypatch, kind, weight_only):
     """Where the kernels cannot run (no AVX2, no compiler), quantizing and the server's settings say why."""
