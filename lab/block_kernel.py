@@ -28,10 +28,12 @@ with the same parameters, state dict and hook points as the modules they replace
   ``attention="eager"`` models, other devices and dtypes, and any step while the ``scores`` or
   ``pattern`` hook points are hooked keep torch's attention.
 
-Two more take whole runs of blocks: ``run_stack`` (``GPT.run_stack``, set by ``use_block_kernels``)
+Three more take whole runs of blocks: ``run_stack`` (``GPT.run_stack``, set by ``use_block_kernels``)
 runs ``GPT.run_blocks`` of one sequence over its cache in one ``lab.intmm.stack_rows`` call where
-every block is a ``KernelBlock`` that takes the tokens (drafts, verifications, prompts' chunks, a
-batch-1 decode step), and ``DraftKernel`` a speculation draft's whole step (``lab.intmm.draft_row``).
+every block is a ``KernelBlock`` that takes the tokens (drafts, verifications, prompts' chunks);
+``run_rows`` (``GPT.run_rows``) a decode step's rows, each under its own block set over its own cache,
+in one ``lab.intmm.step_rows`` call (``lab.decode.decode_rows``' step at any batch); and
+``DraftKernel`` a speculation draft's whole step (``lab.intmm.draft_row``).
 """
 
 from __future__ import annotations
@@ -216,15 +218,15 @@ class KernelBlock(Block):
 
 
 def _stack_weights(
-    model: GPT, layers: list[int], x: torch.Tensor, rows: int
+    model: GPT, layers: list[int], x: torch.Tensor, rows: int, sequence: bool = True
 ) -> list[intmm.BlockWeights] | None:
-    """Each block's weights for one call over ``rows`` tokens of one sequence like x, where every block
-    of ``layers`` is a ``KernelBlock`` that takes them (``KernelBlock.forward``'s rule); else None, as
-    for no block at all."""
+    """Each block's weights for one call over ``rows`` rows like x (``sequence``: tokens of one sequence;
+    else a decode step's rows, one token of each), where every block of ``layers`` is a ``KernelBlock``
+    that takes them (``KernelBlock.forward``'s rule); else None, as for no block at all."""
     weights = []
     for i in layers:
         block = model.blocks[i]
-        held = block._kernel_weights(x, rows, True) if type(block) is KernelBlock else None
+        held = block._kernel_weights(x, rows, sequence) if type(block) is KernelBlock else None
         if held is None:
             return None
         weights.append(held)
@@ -249,6 +251,33 @@ def run_stack(
         return None
     flags = [i in overwrite for i in layers] if overwrite else None
     return intmm.stack_rows(weights, x.reshape(T, D), cache.k, cache.v, layers, pos, flags).view(1, T, D)
+
+
+def run_rows(
+    model: GPT, x: torch.Tensor, blocks: list[list[int]], caches: list[KVCache], positions: list[int],
+    overwrite: list[Collection[int]],
+) -> torch.Tensor | None:  # fmt: skip
+    """A decode step's rows x [B, 1, D], row b through ``blocks[b]`` (ascending) over its own sequence's
+    cache ``caches[b]`` at ``positions[b]``, ``overwrite[b]`` its blocks that overwrite: every block any
+    row runs in one call to ``lab.intmm.step_rows``, each on the rows that run it (what
+    ``lab.decode.decode_rows`` computes block by block, as ``KernelBlock.forward`` computes each
+    block's rows), where each of those blocks is a ``KernelBlock`` that takes the B rows in one call;
+    else None (the blocks one by one). [B, 1, D]."""
+    B, _, D = x.shape
+    for cache, row_blocks in zip(caches, blocks, strict=True):
+        if not isinstance(cache.k, torch.Tensor) or cache.k.size(1) != 1:
+            return None  # lab.fast's caches hold a tensor per layer; a batch's cache several sequences
+        if any(later <= earlier for earlier, later in zip(row_blocks, row_blocks[1:], strict=False)):
+            return None
+    layers = sorted(set().union(*blocks))
+    weights = _stack_weights(model, layers, x, B, sequence=False)
+    if weights is None:
+        return None
+    runs = [[i in row_blocks for row_blocks in blocks] for i in layers]
+    flags = [[i in row_overwrite for row_overwrite in overwrite] for i in layers] if any(overwrite) else None
+    sequences = [(cache.k, cache.v) for cache in caches]
+    out = intmm.step_rows(weights, x.reshape(B, D), sequences, positions, layers, runs, flags)  # [B, D]
+    return out.view(B, 1, D)
 
 
 class DraftKernel:
@@ -323,14 +352,14 @@ def use_block_kernels(model: GPT) -> GPT:
             module.__class__ = KernelAttention  # the same parameters; only the rows' attention differs
         elif type(module) is Block:
             module.__class__ = KernelBlock
-    model.run_stack = run_stack
+    model.run_stack, model.run_rows = run_stack, run_rows
     return model
 
 
 def without_block_calls(model: GPT) -> GPT:
     """``model``'s blocks back to their modules' forward, their attention keeping the kernel, in place:
     the baseline that ``scripts/bench_decode.py`` times the block in one call against."""
-    model.run_stack = None
+    model.run_stack = model.run_rows = None
     for module in model.modules():
         if type(module) is KernelBlock:
             module.__class__ = Block

@@ -179,7 +179,9 @@ def decode_rows(
     passes, and its deeper blocks get this position's keys and values from its exit state
     (``propagate_kv``); a ``lens=tuned`` row that left early is read out through the translator of
     its last block (``lab.lens.translator.translate_exits``: one D x D product, at the read-out only).
-    Under ``lab.rows.rows_alone`` a row's logits are bit for bit those it gets alone. A row whose
+    Under ``lab.rows.rows_alone`` a row's logits are bit for bit those it gets alone. Where the model
+    has ``run_rows`` (``lab.block_kernel``) and no row is adaptive, every row's blocks run in one call,
+    computing what the loop over blocks computes. A row whose
     decoder has a fast step (``lab.fast``) takes it, alone, when it is the only row or under
     ``rows_alone``; the others run together here.
     """
@@ -213,13 +215,14 @@ def _decode_together(
     x = model.embed_tokens(idx, torch.tensor(positions, device=device))  # [B, 1, D]
     ran = [0] * B  # blocks each row has run
     going = [True] * B  # False once an adaptive row exits
-    if B == 1 and model.run_stack is not None and not decoders[0].block_set.is_adaptive:
-        # one row through its blocks in one call (lab.block_kernel), the same sums block by block
-        decoder = decoders[0]
-        overwrite = decoder.block_set.overwrite
-        out = model.run_stack(model, x, decoder.blocks, decoder.cache, positions[0], overwrite)  # or None
+    if model.run_rows is not None and not any(decoder.block_set.is_adaptive for decoder in decoders):
+        # every row through its blocks in one call (lab.block_kernel), the same sums block by block
+        blocks = [decoder.blocks for decoder in decoders]
+        caches = [decoder.cache for decoder in decoders]
+        overwrite = [decoder.block_set.overwrite for decoder in decoders]
+        out = model.run_rows(model, x, blocks, caches, positions, overwrite)  # [B, 1, D], or None
         if out is not None:
-            x, ran, going = out, [len(decoder.blocks)], [False]  # [1, 1, D]
+            x, ran, going = out, [len(row_blocks) for row_blocks in blocks], [False] * B
     read_before: list[torch.Tensor | None] = [None] * B  # ln_f before the block just run, once checking
     for i, block in enumerate(model.blocks):
         rows = [b for b in range(B) if going[b] and i in decoders[b].runs]

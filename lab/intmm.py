@@ -36,8 +36,9 @@ policy (``lab.threads``). Inside ``torch.compile`` each product is a custom op,
 
 The same file holds the float32 and bf16 products (``lab.float_kernels``), a decode step's
 attention (``attend_rows``), a whole pre-LN block for a decode step's rows in one call (``block_rows``),
-a run of blocks over one sequence's tokens in one call (``stack_rows``), a speculation draft's step
-in one call (``draft_row``; these four behind ``lab.block_kernel``), greedy decoding's ``argmax``
+a run of blocks over one sequence's tokens in one call (``stack_rows``), a decode step's rows through
+their own block sets in one call (``step_rows``), a speculation draft's step in one call
+(``draft_row``; these five behind ``lab.block_kernel``), greedy decoding's ``argmax``
 and a token's log-probability's ``logsumexp``: what a decode
 step spent in torch's slower kernels, at sizes where a call into torch costs more than the work.
 """
@@ -205,7 +206,7 @@ def _library(source_file: Path = SOURCE) -> ctypes.CDLL:
     library.block_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 7
     library.stack_rows.restype = ctypes.c_int
     library.stack_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    library.stack_rows.argtypes += [ctypes.c_void_p] * 7
+    library.stack_rows.argtypes += [ctypes.c_void_p] * 8
     library.draft_row.restype = ctypes.c_int64
     library.draft_row.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     library.draft_row.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 6
@@ -434,41 +435,77 @@ def block_rows(
     return out
 
 
+Sequence = tuple[torch.Tensor, torch.Tensor]
+"""One sequence's cache as ``stack_rows`` and ``step_rows`` read it: ``lab.model.KVCache``'s k and v,
+[L, 1, H, T_max, Dh] each."""
+
+
 def _stack_arguments(
-    weights: list[BlockWeights], x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layers: list[int],
-    pos: int, overwrite: list[bool] | None,
+    weights: list[BlockWeights], x: torch.Tensor, sequences: list[Sequence], positions: list[int],
+    layers: list[int], flags: list[list[bool]] | None,
 ) -> tuple[ctypes.Array, ...]:  # fmt: skip
-    """``stack_rows``'s arguments checked, as C reads them: the blocks' weights, the rows' positions,
-    each (block, row)'s keys' and values' pointers and lengths, the overwrite flags (or None)."""
-    T, D = x.shape
+    """The C ``stack_rows``' arguments checked, as it reads them, for rows x [B, D], row b of the
+    sequence ``sequences[b]`` at ``positions[b]``: the blocks' weights, the positions, each (block,
+    row)'s keys' and values' pointers and lengths, and ``flags[j][b]`` per block and row (or None)."""
+    B, D = x.shape
     dtype = x.dtype
     count = len(weights)
-    if not weights or len(layers) != count or overwrite is not None and len(overwrite) != count:
+    if not weights or len(layers) != count or flags is not None and len(flags) != count:
         raise ValueError(f"stack_rows: a block's weights per layer, got {count} and {len(layers)} layers")
     if any(w.dtype is not dtype for w in weights) or not x.is_contiguous():
-        raise ValueError(f"stack_rows: x dense {weights[0].dtype} [T, D], got {dtype} {list(x.shape)}")
+        raise ValueError(f"stack_rows: x dense {weights[0].dtype} [B, D], got {dtype} {list(x.shape)}")
     n_head = weights[0].n_head
-    shape = (n_head, keys.size(-2), D // n_head)
-    for cache in (keys, values):
-        if cache.dim() != 5 or cache.size(1) != 1 or cache.shape[2:] != shape or cache.dtype is not dtype:
-            expected = f"{dtype} [L, 1, {', '.join(map(str, shape))}]"
-            raise ValueError(f"stack_rows: caches {expected}, got {cache.dtype} {list(cache.shape)}")
-        if not cache.is_contiguous():
-            raise ValueError("stack_rows: caches dense")
-    t_max = keys.size(-2)
-    if not 0 <= pos <= pos + T <= t_max or not all(0 <= i < keys.size(0) for i in layers):
-        raise ValueError(f"stack_rows: positions {pos}..{pos + T - 1} or layers {layers} outside the caches")
-    layer_bytes = keys.stride(0) * keys.element_size()
-    pointers = ctypes.c_void_p * (count * T)
-    k_base, v_base = keys.data_ptr(), values.data_ptr()
-    k_rows = pointers(*[k_base + i * layer_bytes for i in layers for _ in range(T)])
-    v_rows = pointers(*[v_base + i * layer_bytes for i in layers for _ in range(T)])
-    lengths = (ctypes.c_int64 * (count * T))(*[t_max] * (count * T))
-    positions = (ctypes.c_int64 * T)(*range(pos, pos + T))
-    per_row = None if overwrite is None else [flag for flag in overwrite for _ in range(T)]
-    flags = None if per_row is None else (ctypes.c_uint8 * (count * T))(*per_row)
+    bases = []
+    for keys, values in dict.fromkeys(sequences):  # each sequence checked once: a prompt's rows share one
+        shape = (n_head, keys.size(-2), D // n_head)
+        for cache in (keys, values):
+            if cache.dim() != 5 or cache.size(1) != 1 or cache.shape[2:] != shape or cache.dtype is not dtype:
+                expected = f"{dtype} [L, 1, {', '.join(map(str, shape))}]"
+                raise ValueError(f"stack_rows: caches {expected}, got {cache.dtype} {list(cache.shape)}")
+            if not cache.is_contiguous():
+                raise ValueError("stack_rows: caches dense")
+        if not all(0 <= i < keys.size(0) for i in layers):
+            raise ValueError(f"stack_rows: layers {layers} outside caches of {keys.size(0)}")
+    for (keys, values), pos in zip(sequences, positions, strict=True):
+        if not 0 <= pos < keys.size(-2):
+            raise ValueError(f"stack_rows: position {pos} outside a cache of {keys.size(-2)}")
+        layer_bytes = keys.stride(0) * keys.element_size()
+        bases.append((keys.data_ptr(), values.data_ptr(), layer_bytes, keys.size(-2)))
+    pointers, integers = ctypes.c_void_p * (count * B), ctypes.c_int64 * (count * B)
+    k_rows = pointers(*[k + i * layer for i in layers for k, _, layer, _ in bases])
+    v_rows = pointers(*[v + i * layer for i in layers for _, v, layer, _ in bases])
+    lengths = integers(*[t_max for _ in layers for *_, t_max in bases])
+    per_row = None if flags is None else _block_flags(flags)
     blocks = (ctypes.c_void_p * count)(*[ctypes.addressof(w.struct) for w in weights])
-    return blocks, positions, k_rows, v_rows, lengths, flags
+    return blocks, (ctypes.c_int64 * B)(*positions), k_rows, v_rows, lengths, per_row
+
+
+def _block_flags(flags: list[list[bool]]) -> ctypes.Array:
+    """Flags per block and row, [count][B], as C reads them: [count * B] bytes."""
+    values = [flag for block in flags for flag in block]
+    return (ctypes.c_uint8 * len(values))(*values)
+
+
+def _stack_call(
+    weights: list[BlockWeights], x: torch.Tensor, sequences: list[Sequence], positions: list[int],
+    layers: list[int], overwrite: list[list[bool]] | None, runs: list[list[bool]] | None,
+) -> torch.Tensor:  # fmt: skip
+    """The C ``stack_rows`` over rows x [B, D] (``_stack_arguments``), ``runs[j][b]``: row b runs block j
+    (None: every row every block). [B, D]."""
+    B, D = x.shape
+    arguments = _stack_arguments(weights, x, sequences, positions, layers, overwrite)
+    blocks, at, k_rows, v_rows, lengths, flags = arguments
+    run_flags = None if runs is None else _block_flags(runs)
+    out = torch.empty(B, D, dtype=x.dtype)
+    status = _function("stack_rows")(
+        blocks, len(weights), B, x.dtype is torch.bfloat16, x.data_ptr(), k_rows, v_rows, lengths, at, flags,
+        run_flags, out.data_ptr(),
+    )
+    if status == -1:
+        raise MemoryError(f"stack_rows: no memory for the activations of {B} rows")
+    if status != 0:
+        raise ValueError(f"stack_rows: weights the kernel does not take (status {status})")
+    return out
 
 
 def stack_rows(
@@ -477,23 +514,28 @@ def stack_rows(
 ) -> torch.Tensor:  # fmt: skip
     """One sequence's tokens x [T, D] at positions pos .. pos + T - 1 through a run of blocks in one
     call: ``weights[j]`` (a ``BlockWeights``) over layer ``layers[j]`` of the sequence's cache
-    ``keys``, ``values`` (``lab.model.KVCache``'s k and v, [L, 1, H, T_max, Dh]), each token a row
-    attending causally, as ``block_rows`` over each block in turn computes; ``overwrite[j]``: block j
-    hands on attn_out + mlp_out. [T, D]: the stream leaving the last block."""
-    T, D = x.shape
-    arguments = _stack_arguments(weights, x, keys, values, layers, pos, overwrite)
-    blocks, positions, k_rows, v_rows, lengths, flags = arguments
-    dtype = x.dtype
-    out = torch.empty(T, D, dtype=dtype)
-    status = _function("stack_rows")(
-        blocks, len(weights), T, dtype is torch.bfloat16, x.data_ptr(), k_rows, v_rows, lengths, positions,
-        flags, out.data_ptr(),
-    )
-    if status == -1:
-        raise MemoryError(f"stack_rows: no memory for the activations of {T} rows")
-    if status != 0:
-        raise ValueError(f"stack_rows: weights the kernel does not take (status {status})")
-    return out
+    ``keys``, ``values`` (a ``Sequence``), each token a row attending causally, as ``block_rows`` over
+    each block in turn computes; ``overwrite[j]``: block j hands on attn_out + mlp_out. [T, D]: the
+    stream leaving the last block."""
+    T = x.size(0)
+    if not 0 <= pos <= pos + T <= keys.size(-2):
+        raise ValueError(f"stack_rows: positions {pos}..{pos + T - 1} outside a cache of {keys.size(-2)}")
+    flags = None if overwrite is None else [[flag] * T for flag in overwrite]
+    return _stack_call(weights, x, [(keys, values)] * T, list(range(pos, pos + T)), layers, flags, None)
+
+
+def step_rows(
+    weights: list[BlockWeights], x: torch.Tensor, sequences: list[Sequence], positions: list[int],
+    layers: list[int], runs: list[list[bool]], overwrite: list[list[bool]] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """A decode step's rows x [B, D], one token each, row b of its own sequence's cache ``sequences[b]``
+    at ``positions[b]``, through their blocks in one call: block ``weights[j]`` over layer ``layers[j]``
+    runs on the rows b with ``runs[j][b]`` (the others' streams pass it unchanged), ``overwrite[j][b]``:
+    row b takes attn_out + mlp_out from it; as ``block_rows`` of each block's rows alone computes them.
+    [B, D]: each row's stream leaving its last block."""
+    if len(runs) != len(weights) or any(len(block) != x.size(0) for block in runs):
+        raise ValueError(f"step_rows: a flag per block and row, got {len(runs)} blocks for {len(weights)}")
+    return _stack_call(weights, x, sequences, positions, layers, overwrite, runs)
 
 
 class _DraftHead(ctypes.Structure):
@@ -556,7 +598,8 @@ def draft_row(
     if not 0 <= pos < min(head.positions, keys.size(-2)):
         raise ValueError(f"draft_row: position {pos} outside the tables or the caches")
     x = torch.empty(1, D)  # stands for the embedded token in the caches' check
-    arguments = _stack_arguments(weights, x, keys, values, layers, pos, overwrite)
+    flags = None if overwrite is None else [[flag] for flag in overwrite]
+    arguments = _stack_arguments(weights, x, [(keys, values)], [pos], layers, flags)
     blocks, _, k_rows, v_rows, lengths, flags = arguments
     stream, logits = torch.empty(D), torch.empty(head.n) if read else None
     index = _function("draft_row")(

@@ -325,6 +325,7 @@ class GPT(nn.Module):
         # what multiplies the table's read rows, where not torch: lab.quantize's copy, lab.float_kernels
         self.read_out: nn.Module | None = None
         self.run_stack: Callable | None = None  # the blocks of one sequence in one call (lab.block_kernel)
+        self.run_rows: Callable | None = None  # a decode step's rows through their blocks in one call (idem)
         self.read_rows: torch.Tensor | None = None  # [V_read] rows the read-out multiplies (compact_read_out)
         self.read_table: torch.Tensor | None  # [V_read, D] those rows, contiguous
         self.register_buffer("read_table", None, persistent=False)

@@ -17,7 +17,7 @@ from lab.hooks import capture
 from lab.model import Block, KVCache, Linear
 from lab.rows import rows_alone
 from lab.weights import load_model, save_model
-from tests.tiny import TinyModel, assert_rows_alone
+from tests.tiny import TinyModel, assert_rows_alone, staggered_decoders
 
 pytestmark = pytest.mark.skipif(intmm.unavailable() is not None, reason=str(intmm.unavailable()))
 
@@ -37,11 +37,12 @@ def saved(tmp_path_factory):
 @pytest.fixture
 def block_calls(monkeypatch):
     """A 1 for each block lab.intmm ran in one call: alone (``block_rows``) or in a run of blocks
-    (``stack_rows``)."""
+    (``stack_rows``, ``step_rows``)."""
     calls = []
-    block, stack = intmm.block_rows, intmm.stack_rows
+    block, stack, step = intmm.block_rows, intmm.stack_rows, intmm.step_rows
     monkeypatch.setattr(intmm, "block_rows", lambda *args: calls.append(1) or block(*args))
     monkeypatch.setattr(intmm, "stack_rows", lambda *args: calls.extend([1] * len(args[0])) or stack(*args))
+    monkeypatch.setattr(intmm, "step_rows", lambda *args: calls.extend([1] * len(args[0])) or step(*args))
     return calls
 
 
@@ -247,6 +248,38 @@ def test_a_run_of_blocks_over_a_sequence_is_one_call_with_the_blocks_bits(saved,
     assert torch.equal(streams[0], streams[1])
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
     assert not torch.equal(caches[0].k[:, 0, :, pos], torch.zeros_like(caches[0].k[:, 0, :, pos]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_decode_steps_rows_under_their_own_block_sets_are_one_call_with_the_blocks_bits(
+    saved, monkeypatch, kind
+):
+    """decode_rows' step of rows under different block sets (skipped, kept, exited, overwriting
+    blocks), each at its own position over its own cache, is one call to lab.intmm.step_rows: the
+    logits, the blocks run and every cache are bit for bit those of the blocks called one by one, each
+    on the rows that run it. A batch with an adaptive row, which decides per block, runs block by
+    block."""
+    model = load_model(saved, kind)
+    steps = []
+    step = intmm.step_rows
+    monkeypatch.setattr(intmm, "step_rows", lambda *args: steps.append(len(args[0])) or step(*args))
+    specs = ["all", "skip=1", "exit=2", "overwrite=0", "keep=0,2", "exit=1;overwrite=0", "skip=0,1,2"]
+    fed = list(range(40, 40 + len(specs)))
+    results = []
+    with rows_alone():
+        for run_rows in (model.run_rows, None):
+            model.run_rows = run_rows
+            decoders = staggered_decoders(model, specs, list(range(30, 40)))
+            logits, blocks_run = decode_rows(model, decoders, fed)
+            results.append((logits, blocks_run, [(d.cache.k, d.cache.v, d.position) for d in decoders]))
+        model.run_rows = block_kernel.run_rows
+        decode_rows(model, staggered_decoders(model, ["all", "adaptive=0.5"], list(range(30, 40))), fed[:2])
+    assert steps == [3]  # one call for the step; none without run_rows, none with an adaptive row
+    (logits, blocks_run, caches), (logits_apart, blocks_apart, caches_apart) = results
+    assert torch.equal(logits, logits_apart) and blocks_run == blocks_apart
+    assert blocks_run[2] == [0, 1] and blocks_run[6] == []
+    for (k, v, at), (k_apart, v_apart, at_apart) in zip(caches, caches_apart, strict=True):
+        assert torch.equal(k, k_apart) and torch.equal(v, v_apart) and at == at_apart
 
 
 def test_caches_held_a_tensor_per_layer_run_the_blocks_one_by_one(saved, block_calls, monkeypatch):

@@ -1453,14 +1453,56 @@ int block_rows(const struct block_weights *w, int64_t B, int bf16, const void *x
  * over its caches k_caches[i * B + b], v_caches[i * B + b] ([H, t_max[i * B + b], Dh]), every block at
  * the rows' positions pos [B]; overwrite [count * B] (or NULL) per block and row. One call for a run
  * of blocks (a draft's, a verification's): each block reads the stream before it writes its output,
- * so the blocks after the first run in place in out. Returns as block_rows. */
+ * so the blocks after the first run in place in out. runs [count * B] (or NULL: every row runs every
+ * block): whether row b runs block i; the others' streams pass it unchanged (a decode step's rows
+ * under their own block sets), and only the rows that run a block go through it, as block_rows of
+ * those rows alone would take them (each row is computed on its own whatever rows share the call).
+ * Returns as block_rows. */
 int stack_rows(const struct block_weights *const *blocks, int64_t count, int64_t B, int bf16, const void *x,
                void *const *k_caches, void *const *v_caches, const int64_t *t_max, const int64_t *pos,
-               const uint8_t *overwrite, void *out) {
-  int status = 0;
-  for (int64_t i = 0; i < count && status == 0; ++i)
-    status = block_rows(blocks[i], B, bf16, i == 0 ? x : out, k_caches + i * B, v_caches + i * B, t_max + i * B,
-                        pos, overwrite == NULL ? NULL : overwrite + i * B, out);
+               const uint8_t *overwrite, const uint8_t *runs, void *out) {
+  if (runs == NULL) {
+    int status = 0;
+    for (int64_t i = 0; i < count && status == 0; ++i)
+      status = block_rows(blocks[i], B, bf16, i == 0 ? x : out, k_caches + i * B, v_caches + i * B, t_max + i * B,
+                          pos, overwrite == NULL ? NULL : overwrite + i * B, out);
+    return status;
+  }
+  const size_t row_bytes = (size_t)(blocks[0]->n_head * blocks[0]->head_dim) * (bf16 ? 2 : 4);
+  memcpy(out, x, (size_t)B * row_bytes); /* rows that run no block leave as they came */
+  /* a block's rows gathered: their streams in and out, their caches, rows, lengths, positions, flags */
+  char *gathered = malloc(2 * (size_t)B * row_bytes);
+  void **caches = malloc(sizeof(void *) * (size_t)(2 * B));
+  int64_t *numbers = malloc(sizeof(int64_t) * (size_t)(3 * B));
+  uint8_t *flags = malloc((size_t)B);
+  int status = gathered == NULL || caches == NULL || numbers == NULL || flags == NULL ? -1 : 0;
+  char *in = gathered, *through = gathered + (size_t)B * row_bytes;
+  int64_t *rows = numbers, *lengths = numbers + B, *positions = numbers + 2 * B;
+  for (int64_t i = 0; i < count && status == 0; ++i) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; ++b)
+      if (runs[i * B + b]) rows[n++] = b;
+    if (n == B) {
+      status = block_rows(blocks[i], B, bf16, out, k_caches + i * B, v_caches + i * B, t_max + i * B, pos,
+                          overwrite == NULL ? NULL : overwrite + i * B, out);
+      continue;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t b = rows[j], at = i * B + b;
+      memcpy(in + (size_t)j * row_bytes, (const char *)out + (size_t)b * row_bytes, row_bytes);
+      caches[j] = k_caches[at], caches[B + j] = v_caches[at];
+      lengths[j] = t_max[at], positions[j] = pos[b];
+      flags[j] = overwrite != NULL && overwrite[at];
+    }
+    if (n > 0)
+      status = block_rows(blocks[i], n, bf16, in, caches, caches + B, lengths, positions, flags, through);
+    for (int64_t j = 0; j < n && status == 0; ++j)
+      memcpy((char *)out + (size_t)rows[j] * row_bytes, through + (size_t)j * row_bytes, row_bytes);
+  }
+  free(gathered);
+  free(caches);
+  free(numbers);
+  free(flags);
   return status;
 }
 
@@ -1490,7 +1532,7 @@ int64_t draft_row(const struct block_weights *const *blocks, int64_t count, cons
   if (scratch == NULL) return -1;
   float *x = scratch, *translated = scratch + D, *normed = scratch + 2 * D;
   for (int64_t i = 0; i < D; ++i) x[i] = head->wte[token * D + i] + head->wpe[pos * D + i];
-  int status = stack_rows(blocks, count, 1, 0, x, k_caches, v_caches, t_max, &pos, overwrite, stream);
+  int status = stack_rows(blocks, count, 1, 0, x, k_caches, v_caches, t_max, &pos, overwrite, NULL, stream);
   if (logits == NULL) {
     free(scratch);
     return status;
