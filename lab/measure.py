@@ -4,6 +4,7 @@ of a difference, the Pareto frontier, and the loopback check of a load generator
     latency_ms([0.41, 0.38, 0.52])              # {"n": 3, "mean": 436.67, "p50": 410.0, ...}
     interleaved({"all": time_all, "skip": time_skip}, rounds=5)  # {"all": [5 values], "skip": [...]}
     interval(ttfts, np.median)                  # (low, high): 95% percentile bootstrap of the median
+    shown(1.41, (1.02, 1.77))                   # "1.41 [1.02, 1.77]"
     skip, base = resampled(skip_ttfts, np.median, seed=1), resampled(all_ttfts, np.median, seed=2)
     significant(ends(skip - base))              # median(skip) - median(all): does its interval exclude 0?
     frontier(points, x=latency, y=loss)         # the points no other beats, fastest first
@@ -100,6 +101,14 @@ def interval(values: Sequence[float], statistic: Statistic = np.median, *, seed:
     if len(values) < 2:
         return None
     return ends(resampled(values, statistic, seed=seed))
+
+
+def shown(value: float, low_high: Sequence[float] | None, digits: int = 2) -> str:
+    """``value`` with ``digits`` decimals and, where there is one, its interval: ``1.41 [1.02, 1.77]``."""
+    if low_high is None:
+        return f"{value:.{digits}f}"
+    low, high = low_high
+    return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
 def paired_difference(pairs: Sequence[tuple[float, float]], *, seed: int = 0) -> tuple[float, float] | None:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from lab import flags
 from lab.machine import cpu_description
+from lab.measure import shown
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,29 +87,34 @@ def decode_rows(decode: dict) -> list[tuple[str, str, str]]:
 
 
 def scheduler_rows(r: dict) -> list[tuple[str, str, str]]:
-    """The rows of one scheduler measurement of scripts/bench_serve.py (a model, a dtype, a mode)."""
+    """The rows of one scheduler measurement of scripts/bench_serve.py (a model, a dtype, a mode): the
+    medians over its rounds, each with its 95% interval."""
     name = f"scheduler, {r['model']} {r['dtype']}, {'invariant' if r['batch_invariant'] else 'shared'}"
     same = "same" if r["batched_tokens_equal"] else "DIFFERENT"
+
+    def value(key: str, digits: int = 2) -> str:
+        return shown(r[key], r.get(f"{key}_interval"), digits)
+
     return [
         (
             f"{name}: 1-token request during a 200-token generation, ms",
-            f"{r['one_token_during_200_token_generation_ms']:.0f} (alone {r['one_token_alone_ms']:.0f})",
+            f"{value('one_token_during_200_token_generation_ms', 0)} (alone {r['one_token_alone_ms']:.0f})",
             f"<= {r['head_of_line_bound_ms']:.0f}",
         ),
         (
             f"{name}: TTFT p50 of 4 streaming clients, ms",
-            f"{r['ttft_4_clients_p50_ms']:.0f} (alone {r['ttft_alone_ms']:.0f})",
+            f"{value('ttft_4_clients_p50_ms', 0)} (alone {r['ttft_alone_ms']:.0f})",
             f"<= {r['ttft_bound_ms']:.0f}",
         ),
-        (f"{name}: 4 block sets at once / in turn", f"{r['four_block_sets_speedup']:.2f}", ">= 1.6"),
-        (f"{name}: 8 adaptive clients / 1", f"{r['eight_adaptive_speedup']:.2f}", ">= 2"),
-        (f"{name}: TPOT of skip half / all, 4 clients", f"{r['tpot_skip_half_over_all']:.2f}", "<= 0.7"),
+        (f"{name}: 4 block sets at once / in turn", value("four_block_sets_speedup"), ">= 1.6"),
+        (f"{name}: 8 adaptive clients / 1", value("eight_adaptive_speedup"), ">= 2"),
+        (f"{name}: TPOT of skip half / all, 4 clients", value("tpot_skip_half_over_all"), "<= 0.7"),
         (
             f"{name}: alone vs among 8 mixed, max loss difference; seeded tokens",
             f"{r['batched_loss_max_abs_diff']:.1e}; {same}",
             "<= 1e-6 fp32, 1e-4 int4; same",
         ),
-        (f"{name}: 8 clients / 1, requests/s", f"{r['throughput_8_clients_over_1']:.2f}", ">= 2.1"),
+        (f"{name}: 8 clients / 1, requests/s", value("throughput_8_clients_over_1"), ">= 2.1"),
     ]
 
 
@@ -126,12 +132,14 @@ def speculate_row(result: dict) -> tuple[str, str, str]:
 def headline(runs: dict) -> list[tuple[str, str, str]]:
     """(measure, value, target) rows for the summary table."""
     serve = runs["serve"]["results"]
+    overhead = serve["overhead"]
     depth = runs["depth"]["results"]
     rows = decode_rows(runs["decode"]["results"])
     rows += [
         (
             "serve: HTTP overhead over in-process / bare FastAPI+uvicorn, p50",
-            f"{serve['overhead']['overhead_over_bare']:.2f} ({serve['overhead']['overhead_p50_ms']:.2f} ms)",
+            f"{shown(overhead['overhead_over_bare'], overhead.get('overhead_over_bare_interval'))} "
+            f"({overhead['overhead_p50_ms']:.2f} ms)",
             "<= 1.5",
         ),
         ("serve: 8 clients / sequential throughput", f"{serve['batching']['throughput_ratio']:.2f}", ">= 2"),

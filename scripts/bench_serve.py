@@ -4,7 +4,7 @@ invariance).
 
     python scripts/bench_serve.py                                   # a few minutes on 2 CPU cores
     python scripts/bench_serve.py --json                            # the numbers as JSON
-    python scripts/bench_serve.py --only scheduling --models gpt2-random:int4 builtin:float32
+    python scripts/bench_serve.py --only scheduling --models gpt2-random:int4 builtin:float32 --rounds 5
     python scripts/bench_serve.py --only overhead --overhead-requests 150   # section 1 alone, a minute
     python scripts/bench_serve.py --only restart                    # section 5 alone (not in the default run)
 
@@ -40,7 +40,10 @@ invariance).
    ``--requests`` after it. Target: the first request after a restart within 2x a warm one.
 
 Every number is measured in this run against a baseline of this run; the machine's load average is
-reported with them, because on a shared CPU it moves them. The requests go through ``serve.client``,
+reported with them, because on a shared CPU it moves them. The overhead's ratio comes with the 95%
+bootstrap interval over its alternating calls, and each scheduler figure is the median of
+``--rounds`` rounds on the same server with the interval of that median (with 3 rounds, about their
+range): a single round of a few requests moves these ratios by a fifth or more between runs. The requests go through ``serve.client``,
 the client ``blocklab traffic`` uses.
 """
 
@@ -57,10 +60,11 @@ from typing import Literal
 from unittest import mock
 
 import httpx
+import numpy as np
 import torch
 
 from lab.flags import parse
-from lab.measure import latency_ms
+from lab.measure import ends, interval, latency_ms, resampled, shown
 from serve.client import Reply, closed_loop, send
 from serve.process import ServerProcess, free_port, save_tiny_model
 from serve.schema import PredictRequest, resolve
@@ -84,6 +88,9 @@ class BenchOptions:
     """New tokens per request of the throughput section."""
     models: list[str] = field(default_factory=lambda: ["gpt2-random:int4", "builtin:float32"])
     """MODEL:DTYPE servers for the scheduler section."""
+    rounds: int = 3
+    """Rounds of the scheduler section on each server: every figure is the median over them, with its
+    95% bootstrap interval (one round of a few requests swings these ratios by a fifth or more)."""
     restart_model: str = "gpt2-random:w4a8"
     """MODEL:DTYPE of the restart section."""
     only: Literal["scheduling", "overhead", "restart"] | None = None
@@ -149,6 +156,7 @@ def overhead(repeats: int, model_dir: Path) -> dict:
         bare.terminate()
         bare.wait()
     p50 = {name: p50_ms(values) for name, values in times.items()}
+    low, high = overhead_interval(times)
     return {
         "in_process_p50_ms": p50["in_process"],
         "http_p50_ms": p50["http"],
@@ -157,8 +165,22 @@ def overhead(repeats: int, model_dir: Path) -> dict:
         "outside_worker_p50_ms": p50["outside"],
         "bare_fastapi_p50_ms": p50["bare"],
         "overhead_over_bare": round((p50["http"] - p50["in_process"]) / p50["bare"], 2),
+        "overhead_over_bare_interval": [round(low, 2), round(high, 2)],
         "requests": repeats,
     }
+
+
+def overhead_interval(times: dict[str, list[float]]) -> tuple[float, float]:
+    """The 95% bootstrap interval of (p50 HTTP - p50 in-process) / p50 bare, resampling the alternating
+    calls with each call's three timings together (what drifts between calls falls on all three)."""
+    http, in_process, bare = (np.asarray(times[name]) for name in ("http", "in_process", "bare"))
+
+    def ratio(picks: np.ndarray, axis: int) -> np.ndarray:
+        calls = picks.astype(int)  # [R, n]: the calls each resample takes
+        overhead = np.median(http[calls], axis) - np.median(in_process[calls], axis)
+        return overhead / np.median(bare[calls], axis)
+
+    return ends(resampled(np.arange(len(http)), ratio))
 
 
 async def answered(http: httpx.AsyncClient, body: dict) -> Reply:
@@ -312,8 +334,29 @@ async def batch_invariance_and_throughput(http: httpx.AsyncClient, base: dict, m
     }
 
 
-async def scheduling(model: str, dtype: str, invariant: bool = True) -> dict:
-    """Section 4 of the module docstring, on one server of ``model`` in ``dtype``."""
+def over_rounds(rounds: list[dict]) -> dict:
+    """One server's rounds in one dict: each number the median over the rounds, beside it
+    (``<key>_interval``) the 95% bootstrap interval of that median; the rest as the first round has
+    it, but ``batched_tokens_equal``, true only if every round's tokens were, and the largest loss
+    difference and batch of any round. With 3 rounds an interval is about their range."""
+    merged = dict(rounds[0])
+    for key, value in rounds[0].items():
+        values = [r[key] for r in rounds]
+        if key == "batched_tokens_equal":
+            merged[key] = all(values)
+        elif key in ("batched_loss_max_abs_diff", "batched_batch_size"):
+            merged[key] = max(values)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            merged[key] = round(float(np.median(values)), 3)
+            low_high = interval(values)
+            merged[f"{key}_interval"] = None if low_high is None else [round(end, 3) for end in low_high]
+    merged["rounds"] = len(rounds)
+    return merged
+
+
+async def scheduling(model: str, dtype: str, invariant: bool = True, rounds: int = 3) -> dict:
+    """Section 4 of the module docstring, on one server of ``model`` in ``dtype``: ``rounds`` rounds,
+    merged by ``over_rounds``."""
     args = ["--model", model, "--dtype", dtype, "--max-batch-size", "8"]
     if not invariant:
         args.append("--no-batch-invariant")
@@ -326,12 +369,15 @@ async def scheduling(model: str, dtype: str, invariant: bool = True) -> dict:
             skip_half = "skip=" + ",".join(map(str, range(half // 2, half // 2 + half)))
             adaptive = "adaptive=0.8;min=2;check=probe" if info["exit_probe"] else "adaptive=0.98"
             mixed_sets = ["all", skip_half, f"exit={half}", adaptive]
-            result = {"model": model, "dtype": dtype, "batch_invariant": invariant}
-            result |= await head_of_line(http, base)
-            result |= await ttft_under_load(http, base, result["decode_step_ms"])
-            result |= await block_sets_sharing(http, base, mixed_sets)
-            result |= await batch_invariance_and_throughput(http, base, mixed_sets)
-    return result
+            measured = []
+            for _ in range(rounds):
+                result = {"model": model, "dtype": dtype, "batch_invariant": invariant}
+                result |= await head_of_line(http, base)
+                result |= await ttft_under_load(http, base, result["decode_step_ms"])
+                result |= await block_sets_sharing(http, base, mixed_sets)
+                result |= await batch_invariance_and_throughput(http, base, mixed_sets)
+                measured.append(result)
+    return over_rounds(measured)
 
 
 RESTART_TOKENS = 32
@@ -367,24 +413,33 @@ def restarts(spec: str, requests: int) -> dict:
     return {"model": spec, "new_tokens": RESTART_TOKENS, "runs": runs}
 
 
+def with_interval(r: dict, key: str, digits: int = 0) -> str:
+    """``r[key]`` and, where the rounds gave one, its interval: ``106 [101, 112]``."""
+    return shown(r[key], r.get(f"{key}_interval"), digits)
+
+
 def _print_scheduling(r: dict) -> None:
     mode = "batch-invariant" if r["batch_invariant"] else "shared products"
-    print(f"scheduler, {r['model']} {r['dtype']} ({mode}); decode step {r['decode_step_ms']:.1f} ms")
+    print(
+        f"scheduler, {r['model']} {r['dtype']} ({mode}); {r['rounds']} rounds, medians [95% interval]; "
+        f"decode step {with_interval(r, 'decode_step_ms', 1)} ms"
+    )
     print(
         f"  1-token request during a 200-token generation: "
-        f"{r['one_token_during_200_token_generation_ms']:.0f} ms (alone {r['one_token_alone_ms']:.0f} ms; "
-        f"target <= {r['head_of_line_bound_ms']:.0f})"
+        f"{with_interval(r, 'one_token_during_200_token_generation_ms')} ms "
+        f"(alone {r['one_token_alone_ms']:.0f} ms; target <= {r['head_of_line_bound_ms']:.0f})"
     )
     print(
-        f"  4 streaming clients: TTFT p50 {r['ttft_4_clients_p50_ms']:.0f} ms "
-        f"(alone {r['ttft_alone_ms']:.0f}; target <= {r['ttft_bound_ms']:.0f})"
+        f"  4 streaming clients: TTFT p50 {with_interval(r, 'ttft_4_clients_p50_ms')} ms "
+        f"(alone {with_interval(r, 'ttft_alone_ms')}; target <= {r['ttft_bound_ms']:.0f})"
     )
     print(
-        f"  4 block sets at once {r['four_block_sets_speedup']:.2f}x one after another (target >= 1.6); "
-        f"8 adaptive clients {r['eight_adaptive_speedup']:.2f}x one (target >= 2)"
+        f"  4 block sets at once {with_interval(r, 'four_block_sets_speedup', 2)}x one after another "
+        f"(target >= 1.6); 8 adaptive clients {with_interval(r, 'eight_adaptive_speedup', 2)}x one "
+        f"(target >= 2)"
     )
     print(
-        f"  4 clients, TPOT skip half / all: {r['tpot_skip_half_over_all']:.2f} "
+        f"  4 clients, TPOT skip half / all: {with_interval(r, 'tpot_skip_half_over_all', 2)} "
         f"{r['tpot_ms_4_clients']} (target <= 0.7)"
     )
     same = "equal" if r["batched_tokens_equal"] else "DIFFERENT"
@@ -392,7 +447,7 @@ def _print_scheduling(r: dict) -> None:
         f"  alone vs among 8 mixed: max loss difference {r['batched_loss_max_abs_diff']:.2e}, "
         f"seeded tokens {same} (batch of {r['batched_batch_size']})"
     )
-    print(f"  8 clients over 1: {r['throughput_8_clients_over_1']:.2f}x requests/s")
+    print(f"  8 clients over 1: {with_interval(r, 'throughput_8_clients_over_1', 2)}x requests/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -414,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.models if args.only in (None, "scheduling") else []:
         model, _, dtype = spec.partition(":")
         for invariant in (True, False):
-            results["scheduling"].append(asyncio.run(scheduling(model, dtype or "float32", invariant)))
+            result = asyncio.run(scheduling(model, dtype or "float32", invariant, args.rounds))
+            results["scheduling"].append(result)
     results["load_average_after"] = os.getloadavg()[0]
     if args.json:
         print(json.dumps(results, indent=2))
@@ -438,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         f"overhead at batch 1 (tiny model, p50 of {o['requests']} alternating calls): "
         f"in-process {o['in_process_p50_ms']:.3f} ms, HTTP {o['http_p50_ms']:.3f} ms, "
         f"overhead {o['overhead_p50_ms']:.3f} ms, "
-        f"{o['overhead_over_bare']:.2f}x bare FastAPI (target <= 1.5x)"
+        f"{with_interval(o, 'overhead_over_bare', 2)}x bare FastAPI (target <= 1.5x)"
     )
     print(
         f"  of which: queued until the worker's batch started {o['server_queue_p50_ms']:.3f} ms; "
