@@ -43,8 +43,8 @@ Every number is measured in this run against a baseline of this run; the machine
 reported with them, because on a shared CPU it moves them. The overhead's ratio comes with the 95%
 bootstrap interval over its alternating calls, and each scheduler figure is the median of
 ``--rounds`` rounds on the same server with the interval of that median (with 3 rounds, about their
-range): a single round of a few requests moves these ratios by a fifth or more between runs. The requests go through ``serve.client``,
-the client ``blocklab traffic`` uses.
+range): a single round of a few requests moves these ratios by a fifth or more between runs. The
+requests go through ``serve.client``, the client ``blocklab traffic`` uses.
 """
 
 import asyncio
