@@ -70,20 +70,27 @@ def decode_rows(decode: dict) -> list[tuple[str, str, str]]:
         ]
         if dtype in (against_torch := decode.get("lab_kernels_over_torch_kernels", {})):
             torch_ms = ms[f"ours {dtype}, torch's kernels"]
-            shown = f"{against_torch[dtype]:.2f} (torch's: {torch_ms:.1f} ms/token)"
-            rows.append((f"decode: ours {dtype}, lab.intmm's kernels / torch's", shown, ""))
+            text = f"{against_torch[dtype]:.2f} (torch's: {torch_ms:.1f} ms/token)"
+            rows.append((f"decode: ours {dtype}, lab.intmm's kernels / torch's", text, ""))
         if dtype in (against_modules := decode.get("block_calls_over_modules", {})):
             modules_ms = ms[f"ours {dtype}, blocks through modules"]
-            shown = f"{against_modules[dtype]:.2f} (modules: {modules_ms:.1f} ms/token)"
-            rows.append((f"decode: ours {dtype}, each block in one call / through its modules", shown, ""))
+            text = f"{against_modules[dtype]:.2f} (modules: {modules_ms:.1f} ms/token)"
+            rows.append((f"decode: ours {dtype}, each block in one call / through its modules", text, ""))
         compiled = decode.get("compiled_over_eager", {})
         if dtype in compiled:
-            shown = f"{compiled[dtype]:.2f} ({ms[f'ours {dtype} compiled']:.1f} ms/token)"
-            rows.append((f"decode: ours {dtype} compiled (lab.fast) / eager", shown, ""))
-    return rows + [
+            text = f"{compiled[dtype]:.2f} ({ms[f'ours {dtype} compiled']:.1f} ms/token)"
+            rows.append((f"decode: ours {dtype} compiled (lab.fast) / eager", text, ""))
+    rows += [
         ("decode: transformers fp32 ms/token", f"{ms['transformers fp32']:.1f}", ""),
         ("decode: blocks' share of a step (fit)", f"{decode['fit']['block_share']:.2f}", ""),
     ]
+    for name, row in decode.get("builtin_rows", {}).items():
+        rows.append((
+            f"decode: builtin, a step of {name}, the rows in one call / block by block",
+            f"{row['one_call_over_block_by_block']:.2f} ({shown(row['one_call_ms'], row['one_call_ci'])} ms)",
+            "",
+        ))  # fmt: skip
+    return rows
 
 
 def scheduler_rows(r: dict) -> list[tuple[str, str, str]]:

@@ -20,6 +20,8 @@ shared with other jobs slows all of them alike. Reports:
   buffer of the same size, read again and again as decoding does (where the last-level cache is about
   as large as the weights, that is the cache's bandwidth more than the memory's);
 - ms/token with k of 12 blocks skipped, a linear fit (fixed part + per block), and the saving;
+- the builtin model's decode step of 2, 4 and 8 rows (under ``all``, and under mixed block sets), every
+  row's blocks in one call against block by block (``builtin_rows``);
 - the split of a step: its matrix products alone (every Linear at one row, then the read-out, swept
   in turn as a step runs them) and the rest, and the rate at which the products stream the weights;
 - the adaptive-exit check's cost per block, end to end (``adaptive=1.0`` checks after every block and
@@ -47,12 +49,13 @@ from lab import fast, flags, tokens
 from lab.block_kernel import without_block_calls
 from lab.blocks import BlockSet
 from lab.corpora import held_out_stdlib_files
-from lab.decode import greedy_ms_per_token, stability
+from lab.decode import Decoder, decode_rows, greedy_ms_per_token, stability
 from lab.float_kernels import FLOAT_KERNELS, KernelReadOut
 from lab.generate import score
 from lab.measure import interleaved, interval
 from lab.model import GPT, Linear
 from lab.quantize import QuantizedLinear
+from lab.rows import rows_alone
 from lab.weights import BUILTIN_MODELS, builtin_source, load_model
 
 LOW_PRECISION = ("bfloat16", "int8", "w8a8", "int4", "w4a8")
@@ -287,6 +290,58 @@ def builtin_steps(prompt: list[int], tokens: int, rounds: int, compile: bool) ->
     }
 
 
+ROW_COUNTS = (2, 4, 8)
+"""Rows of the multi-row steps ``builtin_rows`` times (the server's steps with that many clients)."""
+
+
+def builtin_rows(prompt: list[int], rounds: int) -> dict:
+    """The builtin model's decode step of several rows under ``rows_alone`` (the server's default
+    steps), every row at its own position over its own cache: all rows under ``all``, and rows taking
+    ``all``, half the blocks skipped, an exit at half depth and one block skipped in turn. Each through
+    ``GPT.run_rows`` (every row's blocks in one call) and block by block (``run_rows`` off: a call per
+    block, what a step of more than one row did before), interleaved: ms per step, the median over
+    ``rounds`` rounds with its 95% interval, and their ratio."""
+    model = load_model("builtin")
+    n = model.config.n_layer
+    mixed = ["all", f"skip={','.join(map(str, range(n // 4, n // 4 + n // 2)))}", f"exit={n // 2}", "skip=5"]
+    one_call = model.run_rows
+
+    def step(decoders: list[Decoder], run_rows) -> float:
+        model.run_rows = run_rows
+        start = time.perf_counter()
+        with rows_alone():
+            decode_rows(model, decoders, [tokens.EOT] * len(decoders))
+        elapsed = (time.perf_counter() - start) * 1e3
+        for decoder in decoders:  # the same positions every time
+            decoder.cache.length -= 1
+        return elapsed
+
+    results = {}
+    for count in ROW_COUNTS:
+        for kind, specs in (("all", ["all"]), ("mixed", mixed)):
+            decoders = []
+            for b in range(count):
+                decoder = Decoder(model, BlockSet.parse(specs[b % len(specs)], n), max_len=len(prompt) + 8)
+                decoder.extend(prompt[: len(prompt) - b])
+                decoders.append(decoder)
+            times = interleaved(
+                {
+                    "one call": lambda d=decoders: step(d, one_call),
+                    "block by block": lambda d=decoders: step(d, None),
+                },
+                rounds,
+            )
+            medians = {name: statistics.median(values) for name, values in times.items()}
+            results[f"{count} rows, {kind}"] = {
+                "one_call_ms": medians["one call"],
+                "one_call_ci": [round(end, 3) for end in interval(times["one call"])],
+                "block_by_block_ms": medians["block by block"],
+                "one_call_over_block_by_block": medians["one call"] / medians["block by block"],
+            }
+    model.run_rows = one_call
+    return results
+
+
 def per_block_fit(ms: dict[str, float], n: int) -> dict[str, float]:
     """ms/token = fixed + per_block * blocks run: least squares over the skip measurements."""
     xs = [n - k for k in [0, *SKIPS]]
@@ -391,6 +446,7 @@ def main(
                 "alone": check_cost_alone(ours),
             },
             "builtin_step": builtin_steps(prompt, tokens, builtin_rounds, compile),
+            "builtin_rows": builtin_rows(prompt, builtin_rounds * 3),
             "unembed_ms": {"fp32": unembed_ms(ours), "bf16": unembed_ms(models["bfloat16"])},
             **{name.replace("-", "_"): builtin_quality(name) for name in BUILTIN_MODELS},
         }
