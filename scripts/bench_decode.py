@@ -3,6 +3,7 @@
     python scripts/bench_decode.py                  # GPT-2 small shapes, torch's default threads
     python scripts/bench_decode.py --threads 1 --rounds 7 --json bench.json
     python scripts/bench_decode.py --quality-only   # the builtin models' loss per block set
+    python scripts/bench_decode.py --rows-only      # the builtin's steps of 2-8 rows, one call or per block
 
 Everything is measured in the same process with the same threads, configurations interleaved round by
 round (each round times every configuration once; the median over rounds is reported), so a machine
@@ -386,6 +387,7 @@ def main(
     quality_only: bool = False,
     compile: bool = False,
     builtin_rounds: int = 15,
+    rows_only: bool = False,
 ) -> None:
     """Measure, print the results as JSON, and write them to ``json`` if given.
 
@@ -397,18 +399,20 @@ def main(
         json: Also write the results here.
         quality_only: Only the builtin models' losses (no timing): seconds.
         compile: Also time each dtype through lab.fast's compiled step (compiling each takes a while).
-        builtin_rounds: Rounds of the builtin model's step measurements (dense and compact read-out).
+        builtin_rounds: Rounds of the builtin model's step measurements (dense and compact read-out;
+            the multi-row steps take three times as many).
+        rows_only: Only the builtin model's multi-row steps (``builtin_rows``): seconds.
     """
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
+    prompt = torch.randint(0, 50257, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     if quality_only:
         results = {name: builtin_quality(name) for name in BUILTIN_MODELS}
+    elif rows_only:
+        results = {"threads": threads, "builtin_rows": builtin_rows(prompt, builtin_rounds * 3)}
     else:
         models = {dtype: load_model("gpt2-random", dtype) for dtype in ("float32", *LOW_PRECISION)}
         ours = models["float32"]
-        prompt = torch.randint(
-            0, 50257, (prompt_tokens,), generator=torch.Generator().manual_seed(0)
-        ).tolist()
         compiled = (
             {dtype: fast.accelerate(load_model("gpt2-random", dtype)) for dtype in models} if compile else {}
         )
