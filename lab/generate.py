@@ -36,8 +36,9 @@ from lab.blocks import BlockSet
 from lab.decode import Decoder, decode_rows, exit_score, require_exit_probe
 from lab.errors import UserError
 from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
+from lab.machine import Device, device_named
 from lab.model import GPT
-from lab.quantize import WeightDtype
+from lab.quantize import QUANTIZED_DTYPES, WeightDtype
 from lab.sampling import (
     GREEDY,
     FinishReason,
@@ -346,6 +347,9 @@ class ScoreCommand:
     dtype: WeightDtype = "float32"
     """Weights: float32 | bfloat16 | float16; int8 | int4 weight-only quantized; or w4a8 | w8a8, int4 or
     int8 weights times int8 activations (lab.quantize; CPU only)."""
+    device: Device = "auto"
+    """auto (a CUDA device where torch sees one, else the CPU) | cpu | cuda. int8, int4, w4a8 and w8a8
+    run on the CPU: with them auto is the CPU."""
     threads: int | None = None
     """torch CPU threads, fixed (default: one per core other processes leave free, chosen again every
     few seconds; lab.threads)."""
@@ -405,6 +409,7 @@ def _run_generate(
     speculation = generation.speculation
     return {
         "model": args.model,
+        "device": str(model.wte.weight.device),
         "blocks": str(block_set),
         "prompt_tokens": len(prompt),
         "text": generation.text,
@@ -468,7 +473,9 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     tuner = None if args.threads else ThreadTuner()  # its first window: the model's loading
     text = _read_text(args)  # before the model loads: a wrong path fails at once
-    model = load_model(args.model, args.dtype)
+    quantized = args.dtype in QUANTIZED_DTYPES
+    device = device_named("cpu" if quantized and args.device == "auto" else args.device)
+    model = load_model(args.model, args.dtype, device=device)
     if command == "generate" and args.compile:
         fast.accelerate(model)
     try:

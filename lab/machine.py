@@ -1,9 +1,31 @@
-"""What a measurement ran on: the CPU's model and the vector units its speed hinges on."""
+"""What a measurement runs on: the device a command is given (``--device``), the CPU's model and the
+vector units its speed hinges on."""
 
 from __future__ import annotations
 
 import platform
 from pathlib import Path
+from typing import Literal
+
+from lab.errors import UserError
+
+Device = Literal["auto", "cpu", "cuda"]
+"""``--device``: auto takes the first CUDA device where torch sees one, else the CPU."""
+
+
+def device_named(choice: str) -> str:
+    """The torch device of ``--device choice``: ``cuda:0`` or ``cpu`` for auto; cuda where torch sees
+    no CUDA device is a UserError that says so (a CPU wheel of torch sees none)."""
+    import torch
+
+    if choice not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device: auto, cpu or cuda, not {choice!r}")
+    if choice == "cpu" or choice == "auto" and not torch.cuda.is_available():
+        return "cpu"
+    if not torch.cuda.is_available():
+        build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise UserError(f"--device cuda: torch {torch.__version__} ({build}) sees no CUDA device")
+    return "cuda:0"
 
 VECTOR_UNITS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 """The x86 flags that decide torch's CPU kernels: fp32 at AVX2 or AVX-512 width, bf16 in hardware."""

@@ -4,6 +4,7 @@
     python scripts/bench_decode.py --threads 1 --rounds 7 --json bench.json
     python scripts/bench_decode.py --quality-only   # the builtin models' loss per block set
     python scripts/bench_decode.py --rows-only      # the builtin's steps of 2-8 rows, one call or per block
+    python scripts/bench_decode.py --device cuda    # on a GPU: eager against CUDA graphs, per block set
 
 Everything is measured in the same process with the same threads, configurations interleaved round by
 round (each round times every configuration once; the median over rounds is reported), so a machine
@@ -53,6 +54,7 @@ from lab.corpora import held_out_stdlib_files
 from lab.decode import Decoder, decode_rows, greedy_ms_per_token, stability
 from lab.float_kernels import FLOAT_KERNELS, KernelReadOut
 from lab.generate import score
+from lab.machine import Device, device_named
 from lab.measure import interleaved, interval
 from lab.model import GPT, Linear
 from lab.quantize import QuantizedLinear
@@ -91,12 +93,13 @@ def hf_twin(model: GPT):
 
 @torch.inference_mode()
 def ms_per_token_hf(hf, prompt: list[int], n_tokens: int) -> float:
-    out = hf(torch.tensor([prompt]), use_cache=True)
+    device = hf.device
+    out = hf(torch.tensor([prompt], device=device), use_cache=True)
     cache_name = "cache" if "cache" in out else "past_key_values"  # renamed in transformers 5.x
     token = int(out.logits[0, -1].argmax())
     start = time.perf_counter()
     for _ in range(n_tokens):
-        out = hf(torch.tensor([[token]]), use_cache=True, **{cache_name: out[cache_name]})
+        out = hf(torch.tensor([[token]], device=device), use_cache=True, **{cache_name: out[cache_name]})
         token = int(out.logits[0, -1].argmax())
     return (time.perf_counter() - start) * 1e3 / n_tokens
 
@@ -343,6 +346,52 @@ def builtin_rows(prompt: list[int], rounds: int) -> dict:
     return results
 
 
+CUDA_DTYPES = ("float32", "bfloat16")
+"""The weights timed on a GPU (the integer kinds run on the CPU)."""
+
+
+def cuda_results(prompt: list[int], tokens: int, rounds: int) -> dict:
+    """On the first CUDA device: ms/token of batch-1 greedy decoding of ``gpt2-random`` in each of
+    ``CUDA_DTYPES``, eager and through lab.fast's CUDA graphs (a captured step per block set and
+    cache bucket, static cache), under every block-set kind the graphs take (all, skip, keep,
+    overwrite, exit) and adaptive exit (which decides on the host, so its steps stay eager), against
+    transformers in fp32 on the same weights and device; configurations interleaved, the median over
+    ``rounds`` rounds with its 95% interval. Each step ends with its token on the host, so the
+    clock stops when the GPU has finished."""
+    device = "cuda:0"
+    models = {dtype: load_model("gpt2-random", dtype, device=device) for dtype in CUDA_DTYPES}
+    graphed = {dtype: fast.accelerate(load_model("gpt2-random", dtype, device=device)) for dtype in models}
+    n = models["float32"].config.n_layer
+    specs = ["all", f"skip={','.join(map(str, range(n // 4, n // 4 + n // 2)))}", f"keep=0,1,{n - 1}",
+             f"overwrite={n // 2}", f"exit={n // 2}", "adaptive=0.9"]  # fmt: skip
+    hf = hf_twin(models["float32"]).to(device)  # the CUDA tensors copied into its CPU ones, then moved
+    configs = {"transformers fp32": lambda: ms_per_token_hf(hf, prompt, tokens)}
+    for dtype in CUDA_DTYPES:
+        for spec in specs:
+            block_set = BlockSet.parse(spec, n)
+            for way, model in (("eager", models[dtype]), ("graphs", graphed[dtype])):
+                configs[f"{dtype} {way} {spec}"] = lambda m=model, b=block_set: greedy_ms_per_token(
+                    m, b, prompt, tokens
+                )
+    times = interleaved(configs, rounds)  # the warm-up call captures each graph
+    ms = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "ms_per_token": ms,
+        "ci": {name: [round(end, 3) for end in interval(values)] for name, values in times.items()},
+        "graphs_over_eager": {
+            f"{dtype} {spec}": ms[f"{dtype} graphs {spec}"] / ms[f"{dtype} eager {spec}"]
+            for dtype in CUDA_DTYPES
+            for spec in specs
+        },
+        "over_transformers_fp32": {
+            name: value / ms["transformers fp32"] for name, value in ms.items() if name != "transformers fp32"
+        },
+    }
+
+
 def per_block_fit(ms: dict[str, float], n: int) -> dict[str, float]:
     """ms/token = fixed + per_block * blocks run: least squares over the skip measurements."""
     xs = [n - k for k in [0, *SKIPS]]
@@ -388,6 +437,7 @@ def main(
     compile: bool = False,
     builtin_rounds: int = 15,
     rows_only: bool = False,
+    device: Device = "cpu",
 ) -> None:
     """Measure, print the results as JSON, and write them to ``json`` if given.
 
@@ -402,6 +452,8 @@ def main(
         builtin_rounds: Rounds of the builtin model's step measurements (dense and compact read-out;
             the multi-row steps take three times as many).
         rows_only: Only the builtin model's multi-row steps (``builtin_rows``): seconds.
+        device: cpu (everything above), or cuda (auto: where torch sees one): ``cuda_results`` alone,
+            eager against CUDA graphs per dtype and block set, and transformers on the same GPU.
     """
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
@@ -410,6 +462,8 @@ def main(
         results = {name: builtin_quality(name) for name in BUILTIN_MODELS}
     elif rows_only:
         results = {"threads": threads, "builtin_rows": builtin_rows(prompt, builtin_rounds * 3)}
+    elif device_named(device) != "cpu":
+        results = cuda_results(prompt, tokens, rounds)
     else:
         models = {dtype: load_model("gpt2-random", dtype) for dtype in ("float32", *LOW_PRECISION)}
         ours = models["float32"]

@@ -15,9 +15,11 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from lab import cli, weights
 from lab.config import GPTConfig
+from lab.machine import device_named
 from lab.model import GPT
 from serve import traffic
 
@@ -111,6 +113,22 @@ def test_generate_and_score(capsys, files, tiny_model, command):
         capsys, [command, "--model", tiny_model, "--prompt", "def f", "--blocks", "exit=+1"]
     )
     assert "'exit=+1': exit takes a whole number" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: --device cuda takes it")
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "def"], ["score", "--prompt", "def"], ["depth"]])
+def test_a_cuda_device_that_is_not_there(capsys, files, tiny_model, argv):
+    """--device cuda where torch sees none says so in one line; auto takes the CPU (machine.device_named)."""
+    model = [] if argv[0] == "depth" else ["--model", tiny_model]
+    line = one_line_error(capsys, [*argv, *model, "--device", "cuda"])
+    build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+    assert line.endswith(f"--device cuda: torch {torch.__version__} ({build}) sees no CUDA device")
+    assert device_named("auto") == "cpu"
+
+
+def test_quantized_weights_on_a_gpu_are_refused_before_anything_loads(capsys, files):
+    line = one_line_error(capsys, ["depth", "--device", "cuda", "--dtype", "int8"])
+    assert line.endswith("--dtype int8 runs on the CPU: use --device cpu (or auto)")
 
 
 def test_serve_with_a_missing_model_never_starts(capsys, files):

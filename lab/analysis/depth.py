@@ -2,6 +2,7 @@
 
     blocklab depth                          # 6x1088, 12x768, 24x544, 48x384, ratios to 12x768
     blocklab depth --stacks 12x768 24x544 --new 64 --repeats 5
+    blocklab depth --device cuda --dtype bfloat16   # on a GPU (auto takes one where torch sees it)
 
 A Block holds 12d^2 + 13d parameters, so L x d stacks with L·d^2 fixed hold (nearly) the same block
 parameters: 6 x 1088^2 = 24 x 544^2 = 7,102,464 and 12 x 768^2 = 48 x 384^2 = 7,077,888 (0.35% apart);
@@ -27,7 +28,9 @@ from lab.analysis import common
 from lab.config import GPT2_VOCAB_SIZE, GPTConfig
 from lab.errors import UserError
 from lab.generate import generate
+from lab.machine import Device, device_named
 from lab.model import GPT
+from lab.quantize import QUANTIZED_DTYPES
 
 DEFAULT_STACKS = ("6x1088", "12x768", "24x544", "48x384")
 
@@ -52,9 +55,18 @@ def parse_stack(text: str) -> tuple[int, int]:
 
 @torch.inference_mode()
 def decode_times(model: GPT, prompt: list[int], new_tokens: int) -> tuple[list[float], list[float]]:
-    """Per decode step (the prefill excluded): seconds in the Blocks, seconds in the unembedding."""
+    """Per decode step (the prefill excluded): seconds in the Blocks, seconds in the unembedding. On a
+    GPU the mark before ``ln_f`` waits for the Blocks' kernels (the host queues them ahead), and each
+    step ends with the sampled token copied to the host."""
     marks: list[float] = []
-    hook = model.ln_f.register_forward_pre_hook(lambda _module, _inputs: marks.append(time.perf_counter()))
+    device = model.wte.weight.device
+
+    def mark(_module, _inputs) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        marks.append(time.perf_counter())
+
+    hook = model.ln_f.register_forward_pre_hook(mark)
     blocks, unembed = [], []
     try:
         start = time.perf_counter()
@@ -69,11 +81,11 @@ def decode_times(model: GPT, prompt: list[int], new_tokens: int) -> tuple[list[f
     return blocks, unembed
 
 
-def build(n_layer: int, d: int, n_head: int, vocab_size: int, context: int) -> GPT:
+def build(n_layer: int, d: int, n_head: int, vocab_size: int, context: int, device: str = "cpu") -> GPT:
     cfg = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=d, vocab_size=vocab_size, block_size=context)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return GPT(cfg).eval()
+        return GPT(cfg).eval().to(device)
 
 
 def depth_report(
@@ -85,11 +97,12 @@ def depth_report(
     new: int,
     repeats: int,
     dtype: str = "float32",
+    device: str = "cpu",
 ) -> dict:
     load_before = common.load_average()
     shapes = [parse_stack(s) for s in stacks]
     models = {
-        s: common.in_dtype(build(L, d, heads_for(d, head_size), vocab_size, prompt_len + new), dtype)
+        s: common.in_dtype(build(L, d, heads_for(d, head_size), vocab_size, prompt_len + new, device), dtype)
         for s, (L, d) in zip(stacks, shapes, strict=True)
     }
     prompt = torch.randint(0, vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -132,6 +145,7 @@ def depth_report(
         "threads": torch.get_num_threads(),
         "vocab_size": vocab_size,
         "dtype": dtype,
+        "device": device,
         "load_average": [load_before, common.load_average()],
         "rows": rows,
     }
@@ -158,7 +172,7 @@ def render(report: dict) -> str:
         f"depth: batch-1 decode with a KV cache, prompt {report['prompt']} tokens, "
         f"{report['new_tokens']} new; "
         f"median over {report['samples_per_stack']} decode steps ({report['repeats']} repeats), "
-        f"{report['threads']} threads, V={report['vocab_size']}, {weights}; "
+        f"{_where(report)}, V={report['vocab_size']}, {weights}; "
         f"load average {report['load_average'][0]} at start, {report['load_average'][1]} at end",
         "",
         common.table(columns, lines),
@@ -167,6 +181,12 @@ def render(report: dict) -> str:
         "lookup, unembed ms is ln_f plus the V x d product",
     ]
     return common.joined(out, report)
+
+
+def _where(report: dict) -> str:
+    """``2 threads`` on the CPU, else the device (a report from before ``--device`` ran on the CPU)."""
+    device = report.get("device", "cpu")
+    return f"{report['threads']} threads" if device == "cpu" else device
 
 
 def plot(report: dict, args) -> str | None:
@@ -205,7 +225,9 @@ class DepthOptions:
     threads: int = 2
     """Torch threads."""
     dtype: common.WeightDtype = "float32"
-    """The weights' type: float32, bfloat16, float16, or weight-only int8 / int4."""
+    """The weights' type: float32, bfloat16, float16, or weight-only int8 / int4 (on the CPU)."""
+    device: Device = "auto"
+    """auto (a CUDA device where torch sees one, else the CPU) | cpu | cuda."""
 
 
 def parser() -> flags.Parser:
@@ -222,6 +244,9 @@ def main(argv: list[str]) -> int:
     if args.new < 2:
         raise UserError("--new: need at least 2 tokens (the first comes from the prefill)")
 
+    quantized = args.dtype in QUANTIZED_DTYPES
+    if quantized and args.device == "cuda":
+        raise UserError(f"--dtype {args.dtype} runs on the CPU: use --device cpu (or auto)")
     torch.set_num_threads(args.threads)
     report = depth_report(
         list(args.stacks),
@@ -232,6 +257,7 @@ def main(argv: list[str]) -> int:
         args.new,
         args.repeats,
         args.dtype,
+        device_named("cpu" if quantized and args.device == "auto" else args.device),
     )
     report["png"] = plot(report, args)
     common.emit(args, report, render(report))
