@@ -198,6 +198,8 @@ def _library(source_file: Path = SOURCE) -> ctypes.CDLL:
     library.intmm_isa.restype, library.intmm_isa.argtypes = ctypes.c_int, [ctypes.c_int]
     library.argmax.restype = ctypes.c_int64
     library.argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]  # x, n, bf16
+    library.multiply_add_rate.restype = ctypes.c_double
+    library.multiply_add_rate.argtypes = [ctypes.c_int64]  # turns
     library.logsumexp.restype = ctypes.c_float
     library.logsumexp.argtypes = [ctypes.c_void_p, ctypes.c_int64]  # x, n
     library.attend_rows.restype = ctypes.c_int
@@ -611,6 +613,13 @@ def draft_row(
     if index < 0:
         raise ValueError(f"draft_row: weights the kernel does not take (status {index})")
     return stream, logits, index
+
+
+def multiply_add_rate(turns: int = 2_000_000) -> float:
+    """Float multiply-adds a second this CPU sustains on torch's threads, in the vector width the
+    products use (lab/kernels/intmm.c): the roof that a prompt's float products, bound by their
+    arithmetic, are measured against. ``turns`` x 12 x (8 or 16) per thread: about a tenth of a second."""
+    return _function("multiply_add_rate")(turns)
 
 
 def argmax(x: torch.Tensor) -> int:

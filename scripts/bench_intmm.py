@@ -16,7 +16,9 @@ per group of 64 and multiply integers. Sections (``--only``):
   ``QuantizedLinear`` with a bias, bf16 rows in and out): what a call costs besides its arithmetic,
   us, best of 2000 calls a round (a GPT-2 decode step makes 49 products);
 - ``products``: one product of GPT-2 small's c_attn shape (2304 x 768, with its bias) at 1, 4, 20 and
-  80 rows, the same way, ms per call, best of 20 calls a round;
+  80 rows, the same way, ms per call, best of 20 calls a round; and at 80 rows the weight-only
+  products' multiply-adds a second against this CPU's float multiply-add peak on the same threads
+  (``lab.intmm.multiply_add_rate``): a prompt's products are bound by their arithmetic;
 - ``prefill``: the prefill of a 20- and an 80-token prompt on ``gpt2-random``, best of 3 a round;
 - ``decode``: batch-1 greedy decoding on ``gpt2-random``, eager, ms/token over 32 tokens after a
   32-token prompt (``lab.decode.greedy_ms_per_token``).
@@ -87,6 +89,19 @@ def layer_measures(name: str, n: int, k: int, rows: tuple[int, ...], repeats: in
 @torch.inference_mode()
 def timed(layer: QuantizedLinear, x: torch.Tensor, repeats: int) -> float:
     return best_ms(lambda: layer(x), repeats)
+
+
+def product_rates(ms: dict[str, float], peak: float) -> dict[str, dict[str, float]]:
+    """The c_attn products of the weight-only kinds (float multiply-adds) at the most rows: their
+    multiply-adds a second, and that over this CPU's float multiply-add ``peak`` (``lab.intmm.
+    multiply_add_rate``, GMAC/s): how close a prompt's products, bound by arithmetic, run to the roof."""
+    rows = max(ROWS)
+    rates = {}
+    for kind in ("int4", "int8", "int4 torch", "int8 torch"):
+        name = f"c_attn (2304 x 768) {rows} rows {kind}"
+        gmac_s = rows * 2304 * 768 / ms[name] / 1e6
+        rates[name] = {"gmac_s": gmac_s, "of_peak": gmac_s / peak}
+    return rates
 
 
 def dtype_and_kernels(name: str) -> tuple[str, bool]:
@@ -201,7 +216,12 @@ def main(
                 for suffix in suffixes[1:]:
                     first, other = ms[f"{name} {product}{suffixes[0]}"], ms[f"{name} {product}{suffix}"]
                     ratios[f"{name} {product}{suffixes[0]} / {product}{suffix}"] = first / other
+        peak = statistics.median(intmm.multiply_add_rate() for _ in range(5)) / 1e9
+        rates = product_rates(ms, peak) if "products" in only else {}
+        for name, rate in rates.items():
+            print(f"{count} thread(s), {name}: {rate['gmac_s']:.1f} GMAC/s, {rate['of_peak']:.2f} of the peak")
         run = {"threads": count, "load_before": load_before, "load_after": os.getloadavg(), "ms": ms}
+        run |= {"multiply_add_peak_gmac_s": peak, "product_rates": rates}
         results["runs"].append(run | {"torch_over_ours": ratios})
     text = dumps(results, indent=2)
     print(text)

@@ -50,6 +50,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1285,6 +1286,47 @@ int64_t argmax(const void *x, int64_t n, int bf16) {
     if (any_nan ? isnan(value) : value == largest) return at;
   }
   return 0; /* n == 0 */
+}
+
+/* The roof a prompt's float products are measured against (scripts/bench_intmm.py): how many float
+ * multiply-adds a second this CPU sustains on torch's threads, in the vectors the products use
+ * (AVX-512 where chosen, else AVX2), each thread `turns` times through PEAK_CHAINS independent chains
+ * of fused multiply-adds (enough to hide their latency on every core seen here), nothing loaded. */
+#define PEAK_CHAINS 12
+
+static AVX512 double multiply_adds_avx512(int64_t turns) {
+  __m512 chain[PEAK_CHAINS];
+  for (int c = 0; c < PEAK_CHAINS; ++c) chain[c] = _mm512_set1_ps(1e-3f * (float)c);
+  const __m512 scale = _mm512_set1_ps(0.999f), shift = _mm512_set1_ps(1e-4f);
+  for (int64_t t = 0; t < turns; ++t)
+    for (int c = 0; c < PEAK_CHAINS; ++c) chain[c] = _mm512_fmadd_ps(chain[c], scale, shift);
+  __m512 total = chain[0];
+  for (int c = 1; c < PEAK_CHAINS; ++c) total = _mm512_add_ps(total, chain[c]);
+  return (double)_mm512_reduce_add_ps(total);
+}
+
+static double multiply_adds_avx2(int64_t turns) {
+  __m256 chain[PEAK_CHAINS];
+  for (int c = 0; c < PEAK_CHAINS; ++c) chain[c] = _mm256_set1_ps(1e-3f * (float)c);
+  const __m256 scale = _mm256_set1_ps(0.999f), shift = _mm256_set1_ps(1e-4f);
+  for (int64_t t = 0; t < turns; ++t)
+    for (int c = 0; c < PEAK_CHAINS; ++c) chain[c] = _mm256_fmadd_ps(chain[c], scale, shift);
+  __m256 total = chain[0];
+  for (int c = 1; c < PEAK_CHAINS; ++c) total = _mm256_add_ps(total, chain[c]);
+  return (double)sum_lanes(total);
+}
+
+/* Multiply-adds a second over every thread, from `turns` turns each. */
+double multiply_add_rate(int64_t turns) {
+  const int avx512 = intmm_isa(-1) == 1, lanes = avx512 ? 16 : 8;
+  double sink = 0.0, start = omp_get_wtime(), threads = 0.0;
+#pragma omp parallel reduction(+ : sink, threads)
+  {
+    sink += avx512 ? multiply_adds_avx512(turns) : multiply_adds_avx2(turns);
+    threads += 1.0;
+  }
+  const double seconds = omp_get_wtime() - start;
+  return sink == 12345.0 ? 0.0 : threads * (double)(turns * PEAK_CHAINS * lanes) / seconds; /* sink: kept */
 }
 
 /* A decode step's block in one call: every row of one token through a pre-LN (GPT-2) block,
