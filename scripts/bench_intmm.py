@@ -219,7 +219,7 @@ def main(
         peak = statistics.median(intmm.multiply_add_rate() for _ in range(5)) / 1e9
         rates = product_rates(ms, peak) if "products" in only else {}
         for name, rate in rates.items():
-            print(f"{count} thread(s), {name}: {rate['gmac_s']:.1f} GMAC/s, {rate['of_peak']:.2f} of the peak")
+            print(f"{count} thread(s), {name}: {rate['gmac_s']:.1f} GMAC/s, {rate['of_peak']:.2f} of peak")
         run = {"threads": count, "load_before": load_before, "load_after": os.getloadavg(), "ms": ms}
         run |= {"multiply_add_peak_gmac_s": peak, "product_rates": rates}
         results["runs"].append(run | {"torch_over_ours": ratios})
