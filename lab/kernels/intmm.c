@@ -448,7 +448,7 @@ int intmm_isa(int request) {
  * torch's matrix-vector products stream these at a fraction of the memory's rate (bf16: widening
  * the weights; float32 from memory rather than cache: docs/inference.md); these stream them at it.
  * A decode step's rows take one output at a time (NARROW_ROWS), each weight vector loaded once for
- * all of them; more rows take tiles of 4 rows by 4 outputs (AVX2: 2), one load serving 4 sums, or,
+ * all of them; more rows take tiles of 4 rows by 4 outputs (AVX2: 3), one load serving 4 sums, or,
  * for sums of at most SHORT_SUMS inputs, tiles of one row by 4 outputs (there a tile's 16 sums cost
  * more to reduce and store than its loads save); the weights of an output or a tile stay in the
  * first-level cache across the input rows, so they stream from memory once per call. The AVX-512
@@ -646,14 +646,16 @@ static inline __attribute__((always_inline)) void f32_tile_avx2(const int ROWS, 
     }                                                                                     \
   } while (0)
 
-/* AVX2 has 16 vector registers: 4 rows by 2 outputs keep 8 sums in them. */
+/* AVX2 has 16 vector registers: 4 rows by 3 outputs keep 12 sums in them beside 3 weight vectors and an
+ * input vector; a prompt's products then load 7 vectors for 12 multiply-adds (2 outputs: 6 for 8),
+ * and re-read each row's inputs from the second-level cache once every 3 outputs instead of 2. */
 static AVX512_BF16 void bf16_avx512(const struct float_product *p) { FLOAT_PRODUCT(bf16_tile_avx512, 4, p); }
 
 static AVX512_BF16 void f32_avx512(const struct float_product *p) { FLOAT_PRODUCT(f32_tile_avx512, 4, p); }
 
-static void bf16_avx2(const struct float_product *p) { FLOAT_PRODUCT(bf16_tile_avx2, 2, p); }
+static void bf16_avx2(const struct float_product *p) { FLOAT_PRODUCT(bf16_tile_avx2, 3, p); }
 
-static void f32_avx2(const struct float_product *p) { FLOAT_PRODUCT(f32_tile_avx2, 2, p); }
+static void f32_avx2(const struct float_product *p) { FLOAT_PRODUCT(f32_tile_avx2, 3, p); }
 
 /* Weight-only products: integer weights times floating-point inputs, sums in float32, what torch's
  * int8 and int4 kernels compute (weights widened to float), at the rate the weights stream.
