@@ -217,17 +217,18 @@ def test_integer_kernel_is_its_definition_and_rows_are_alone(kind, n, k, instruc
     """The C kernel computes what its header says (against float64), with outputs of any count
     (w8a8's tiles of 4 and what is left; w4a8's and int4's blocks of 16, the last one padded) and
     groups of any count (1088: 17, one past a vector of 16), and each row's result is bit for bit the
-    same alone or among 1 to 8 others (batch invariance)."""
+    same alone or among 1 to 28 others (batch invariance: a decode step's rows, a short prompt's, and a
+    long prompt's, whose int4 products on AVX2 widen each block's codes once)."""
     torch.manual_seed(0)
     product, reference = integer_product(kind, torch.randn(n, k) * 0.05)
-    x = torch.randn(9, k)
+    x = torch.randn(29, k)
     x[2] = 0.0  # a row of zeros: its activation scale is 0
     y = product(x)
-    assert y.shape == (9, n) and y.dtype == torch.float32
+    assert y.shape == (29, n) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), reference(x), rtol=1e-5, atol=1e-5)
     assert not y[2].any()
-    for rows in (1, 3, 4, 5):
-        for start in range(0, 9 - rows + 1, 2):
+    for rows in (1, 3, 4, 5, 9, 25):
+        for start in range(0, 29 - rows + 1, 3):
             assert torch.equal(product(x[start : start + rows]), y[start : start + rows])
 
 

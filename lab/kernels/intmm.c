@@ -913,6 +913,99 @@ static inline __attribute__((always_inline)) void int4_cols(const int ROWS, cons
   }
 }
 
+/* int4_mm's prompts on AVX2 (more than NARROW_ROWS rows). int4_halves widens a block's codes again for
+ * every 4 rows, and with each input broadcast for 2 multiply-adds the widening and the broadcasts, not
+ * the multiply-adds, bound a prompt's product. Here each block of 16 outputs widens its codes once, into
+ * `codes` (per group, run i and input j of it: the floats of codes 8i + j and 8i + 4 + j for the 16
+ * outputs, [K / 64][8][4][2][16], in the second-level cache), and the rows take them 3 at a time over
+ * both halves: 12 sums, 3 inputs and a weight vector in the 16 registers, 10 loads for 12
+ * multiply-adds. (A group's codes at a time, read by every row before the next group's, kept them in
+ * the first-level cache but ran slower: each row's sums then went through memory once a group.) Each
+ * output's sums are int4_halves' operations in its order, so a row gets the bits it gets alone and in
+ * a decode step. */
+static void int4_codes_avx2(int64_t n0, const struct float_product *p, float *codes) {
+  const int64_t G = p->K / GROUP;
+  const __m256i low_nibble = _mm256_set1_epi32(0x0F);
+  const uint8_t *block = (const uint8_t *)p->weights + n0 / 16 * G * 512;
+  for (int64_t g = 0; g < G; ++g)
+    for (int i = 0; i < 8; ++i)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + g * 512 + i * 64 + 32 * h));
+        for (int j = 0; j < 4; ++j)
+          for (int c = 0; c < 2; ++c) /* c 0: code 8i + j (bits 8j..), 1: code 8i + 4 + j (bits 8j + 4..) */
+            _mm256_storeu_ps(codes + (((g * 8 + i) * 4 + j) * 2 + c) * 16 + 8 * h,
+                             _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(bytes, 8 * j + 4 * c), low_nibble)));
+      }
+}
+
+/* Outputs n0 .. n0 + 15 of rows m0 .. m0 + ROWS - 1 (ROWS at most 3) from the block's widened codes. */
+static inline __attribute__((always_inline)) void int4_widened_rows(const int ROWS, int64_t m0, int64_t n0,
+                                                                    const float *codes,
+                                                                    const struct float_product *p) {
+  const int64_t K = p->K, G = K / GROUP;
+  const uint16_t *scales_zeros = p->scales + n0 / 16 * G * 32;
+  const float *x = (const float *)p->x + m0 * K;
+  __m256 acc[3][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 dot[3][2][2]; /* [row][half][chain]: chain 0 over inputs 8i + j, 1 over 8i + 4 + j */
+    for (int r = 0; r < ROWS; ++r)
+      for (int h = 0; h < 2; ++h) dot[r][h][0] = dot[r][h][1] = _mm256_setzero_ps();
+    const float *group = codes + g * 8 * 4 * 2 * 16;
+    for (int i = 0; i < 8; ++i)
+      for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < 2; ++c) {
+          __m256 input[3];
+          for (int r = 0; r < ROWS; ++r) input[r] = _mm256_broadcast_ss(x + r * K + g * GROUP + 8 * i + 4 * c + j);
+          for (int h = 0; h < 2; ++h) {
+            const __m256 weight = _mm256_loadu_ps(group + ((i * 4 + j) * 2 + c) * 16 + 8 * h);
+            for (int r = 0; r < ROWS; ++r) dot[r][h][c] = _mm256_fmadd_ps(weight, input[r], dot[r][h][c]);
+          }
+        }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scales = widen_lanes(1, scales_zeros, g * 32 + 8 * h);
+      const __m256 zeros = widen_lanes(1, scales_zeros, g * 32 + 16 + 8 * h);
+      const __m256 code_zero = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scales, zeros);
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r][h] = _mm256_fmadd_ps(scales, _mm256_add_ps(dot[r][h][0], dot[r][h][1]), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(code_zero, _mm256_set1_ps(p->sums[(m0 + r) * G + g]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int h = 0; h < 2; ++h) {
+      float out[8];
+      _mm256_storeu_ps(out, acc[r][h]);
+      for (int c = 0; c < 8 && n0 + 8 * h + c < p->N; ++c) float_store(p, m0 + r, n0 + 8 * h + c, out[c]);
+    }
+}
+
+/* Rows from which int4_mm's AVX2 products widen each block's codes once (int4_prompt_avx2): with fewer,
+ * widening every code of a block costs more than widening again every 4 rows (docs/inference.md has
+ * the crossover). */
+#define WIDENED_ROWS 24
+
+/* Returns 0, or -1 when the widened codes' buffers could not be allocated. */
+static int int4_prompt_avx2(const struct float_product *p) {
+  const size_t widened = (size_t)(p->K / GROUP) * 8 * 4 * 2 * 16; /* floats per block */
+  float *buffers = malloc(sizeof(float) * widened * (size_t)omp_get_max_threads());
+  if (buffers == NULL) return -1;
+#pragma omp parallel
+  {
+    float *codes = buffers + widened * (size_t)omp_get_thread_num();
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < p->N; n0 += 16) {
+      int4_codes_avx2(n0, p, codes);
+      int64_t m0 = 0;
+      for (; m0 + 3 <= p->M; m0 += 3) int4_widened_rows(3, m0, n0, codes, p);
+      if (p->M - m0 == 2) int4_widened_rows(2, m0, n0, codes, p);
+      if (p->M - m0 == 1) int4_widened_rows(1, m0, n0, codes, p);
+    }
+  }
+  free(buffers);
+  return 0;
+}
+
 /* AVX-512 BF16 in the target for int4_tile's paired version; the float one uses none of it. */
 static AVX512_INT4_BF16 void int4_avx512(const struct float_product *p) { WEIGHT_ONLY_PRODUCT(int4_block_rows, 16, p); }
 
@@ -1040,13 +1133,16 @@ int int4_mm(const void *x, int64_t M, int64_t K, int bf16, const uint8_t *packed
   }
   struct float_product p = {.M = M, .K = K, .N = N, .x = inputs, .weights = packed, .scales = scales_zeros,
                             .sums = sums, .bias = bias, .y = y, .bf16 = bf16};
+  int status = 0;
   if (intmm_isa(-1) == 1)
     int4_avx512(&p);
-  else
+  else if (M < WIDENED_ROWS)
     int4_avx2(&p);
+  else
+    status = int4_prompt_avx2(&p);
   free(scratch);
   free(sums);
-  return 0;
+  return status;
 }
 
 /* The two products below differ in their weights' layout only, but each has its own parallel loop:
