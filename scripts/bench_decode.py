@@ -4,6 +4,7 @@
     python scripts/bench_decode.py --threads 1 --rounds 7 --json bench.json
     python scripts/bench_decode.py --quality-only   # the builtin models' loss per block set
     python scripts/bench_decode.py --rows-only      # the builtin's steps of 2-8 rows, one call or per block
+    python scripts/bench_decode.py --prefill-only   # each dtype's prefill of a 19- and a 64-token prompt
     python scripts/bench_decode.py --device cuda    # on a GPU: eager against CUDA graphs, per block set
 
 Everything is measured in the same process with the same threads, configurations interleaved round by
@@ -24,6 +25,7 @@ shared with other jobs slows all of them alike. Reports:
 - ms/token with k of 12 blocks skipped, a linear fit (fixed part + per block), and the saving;
 - the builtin model's decode step of 2, 4 and 8 rows (under ``all``, and under mixed block sets), every
   row's blocks in one call against block by block (``builtin_rows``);
+- each dtype's prefill of a 19- and a 64-token prompt (``prefills``);
 - the split of a step: its matrix products alone (every Linear at one row, then the read-out, swept
   in turn as a step runs them) and the rest, and the rate at which the products stream the weights;
 - the adaptive-exit check's cost per block, end to end (``adaptive=1.0`` checks after every block and
@@ -294,6 +296,34 @@ def builtin_steps(prompt: list[int], tokens: int, rounds: int, compile: bool) ->
     }
 
 
+PROMPT_LENGTHS = (19, 64)
+"""Prompts whose prefill ``prefills`` times: a short one, and the server's chunk."""
+
+
+def prefills(models: dict[str, GPT], prompt: list[int], rounds: int) -> dict:
+    """ms of one prompt's prefill (``Decoder.extend``: the blocks over every position, no read-out)
+    per dtype and each of ``PROMPT_LENGTHS``, interleaved: the median over ``rounds`` rounds with its
+    95% interval. A prefill is bound by the products' arithmetic, a decode step by the weights' bytes."""
+    tokens_of = {n: (prompt * (n // len(prompt) + 1))[:n] for n in PROMPT_LENGTHS}
+
+    def prefill(model: GPT, n: int) -> float:
+        decoder = Decoder(model, max_len=n)
+        start = time.perf_counter()
+        decoder.extend(tokens_of[n])
+        return (time.perf_counter() - start) * 1e3
+
+    configs = {
+        f"{dtype} {n} tokens": lambda m=model, n=n: prefill(m, n)
+        for dtype, model in models.items()
+        for n in PROMPT_LENGTHS
+    }
+    times = interleaved(configs, rounds)
+    return {
+        name: {"ms": statistics.median(values), "ci": [round(end, 3) for end in interval(values)]}
+        for name, values in times.items()
+    }
+
+
 ROW_COUNTS = (2, 4, 8)
 """Rows of the multi-row steps ``builtin_rows`` times (the server's steps with that many clients)."""
 
@@ -437,6 +467,7 @@ def main(
     compile: bool = False,
     builtin_rounds: int = 15,
     rows_only: bool = False,
+    prefill_only: bool = False,
     device: Device = "cpu",
 ) -> None:
     """Measure, print the results as JSON, and write them to ``json`` if given.
@@ -452,6 +483,7 @@ def main(
         builtin_rounds: Rounds of the builtin model's step measurements (dense and compact read-out;
             the multi-row steps take three times as many).
         rows_only: Only the builtin model's multi-row steps (``builtin_rows``): seconds.
+        prefill_only: Only each dtype's prefill of a 19- and a 64-token prompt (``prefills``): a minute.
         device: cpu (everything above), or cuda (auto: where torch sees one): ``cuda_results`` alone,
             eager against CUDA graphs per dtype and block set, and transformers on the same GPU.
     """
@@ -462,6 +494,13 @@ def main(
         results = {name: builtin_quality(name) for name in BUILTIN_MODELS}
     elif rows_only:
         results = {"threads": threads, "builtin_rows": builtin_rows(prompt, builtin_rounds * 3)}
+    elif prefill_only:
+        models = {dtype: load_model("gpt2-random", dtype) for dtype in ("float32", *LOW_PRECISION)}
+        results = {
+            "threads": threads,
+            "load_before": load_before,
+            "prefill": prefills(models, prompt, rounds),
+        }
     elif device_named(device) != "cpu":
         results = cuda_results(prompt, tokens, rounds)
     else:
@@ -505,6 +544,7 @@ def main(
             },
             "builtin_step": builtin_steps(prompt, tokens, builtin_rounds, compile),
             "builtin_rows": builtin_rows(prompt, builtin_rounds * 3),
+            "prefill": prefills(models, prompt, rounds),
             "unembed_ms": {"fp32": unembed_ms(ours), "bf16": unembed_ms(models["bfloat16"])},
             **{name.replace("-", "_"): builtin_quality(name) for name in BUILTIN_MODELS},
         }
