@@ -52,8 +52,9 @@ PAIRS = (
 int8 and int4 (weight-only, bf16 activations) and against w8a8 and w4a8, which quantize the
 activations to int8 per group as llama.cpp's q8_0 and q4_0 dot products do (q8_0 blocks)."""
 SERVED = ("int4", "w4a8", "w4a8 --compile")
-"""How ``--serving`` serves q4_0's weights: a dtype and any flags, one ``blocklab serve`` each, side by
-side (``--compile`` builds its step at start, ``--warm-up``'s default lengths)."""
+"""How ``--serving`` serves q4_0's weights by default (``--served``): a dtype and any flags, one
+``blocklab serve`` each, side by side (``--compile`` builds its step at start, ``--warm-up``'s default
+lengths)."""
 KINDS = tuple(dict.fromkeys(kind for kind, _ in PAIRS))
 DTYPES = tuple(dict.fromkeys(dtype for _, dtype in PAIRS))
 
@@ -95,6 +96,7 @@ def main(
     serving: bool = False,
     clients: int = 4,
     requests: int = 8,
+    served: tuple[str, ...] = SERVED,
     json: Path | None = None,
 ) -> None:
     """Measure, print the table and the JSON, and write the JSON to ``json`` if given.
@@ -110,6 +112,8 @@ def main(
         serving: Compare serving (llama-server against blocklab serve, int4) instead of batch-1 decoding.
         clients: Serving: concurrent streaming clients.
         requests: Serving: requests per client per round.
+        served: Serving: our servers, each a dtype and any flags of ``blocklab serve``
+            (``'int4 --prefill-chunk 16'``).
         json: Also write the results here.
     """
     torch.set_num_threads(threads)
@@ -118,7 +122,7 @@ def main(
     files = gguf_files(llama_cpp, bin_dir, gguf_dir.expanduser())
     if serving:
         load = (threads, tokens, prompt_tokens, rounds, clients, requests)
-        return serve_against(bin_dir, files["q4_0"], *load, json)
+        return serve_against(bin_dir, files["q4_0"], *load, served, json)
     bench = bin_dir / "llama-bench"
     prompt = torch.randint(0, 50257, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     ours = {dtype: load_model("gpt2-random", dtype) for dtype in DTYPES}
@@ -166,20 +170,22 @@ def main(
         json.write_text(text)
 
 
-def serve_against(bin_dir: Path, gguf: Path, threads: int, tokens: int, prompt_tokens: int, rounds: int,
-                  clients: int, requests: int, json: Path | None) -> None:  # fmt: skip
+def serve_against(
+    bin_dir: Path, gguf: Path, threads: int, tokens: int, prompt_tokens: int, rounds: int, clients: int,
+    requests: int, served: tuple[str, ...], json: Path | None,
+) -> None:  # fmt: skip
     """``--serving``: every server up, ``peer_serving.compare``'s rounds, the figures and the ratios
     of each of ours to llama-server's."""
     with ExitStack() as servers:
         llama = servers.enter_context(LlamaServer(bin_dir / "llama-server", gguf, threads))
         urls = {"llama-server q4_0": llama.url}
-        for served in SERVED:
-            ours = ServerProcess(["--model", "gpt2-random", "--dtype", *served.split()], startup_timeout=900)
-            urls[f"blocklab {served}"] = servers.enter_context(ours).url
+        for spec in served:
+            ours = ServerProcess(["--model", "gpt2-random", "--dtype", *spec.split()], startup_timeout=900)
+            urls[f"blocklab {spec}"] = servers.enter_context(ours).url
         load_before = os.getloadavg()
         figures = compare(urls, rounds, clients, requests, prompt_tokens, tokens)
     theirs = figures["llama-server q4_0"]
-    ours = {dtype: figures[f"blocklab {dtype}"] for dtype in SERVED}
+    ours = {spec: figures[f"blocklab {spec}"] for spec in served}
     results = {
         "machine": cpu_description(), "threads": threads, "clients": clients, "requests": requests,
         "rounds": rounds, "prompt_tokens": prompt_tokens, "max_tokens": tokens,
