@@ -847,6 +847,37 @@ TILE_INLINE_BF16 void int4_block_rows_bf16(const int ROWS, const int COLS, int64
   int4_tile(1, ROWS, COLS, m0, n0, p);
 }
 
+/* The end of group g for the rows m0 .. m0 + ROWS - 1 of int4_mm's AVX2 products: each half h's sums
+ * acc[r][h] += scale * (dot[r][h][0] + dot[r][h][1]) + (zero - 8 * scale) * the row's sum of the group's
+ * inputs; scales_zeros at the first half these sums are of. */
+static inline __attribute__((always_inline)) void int4_group_end(const int HALVES, const int ROWS, int64_t m0,
+                                                                 int64_t g, const uint16_t *scales_zeros,
+                                                                 const struct float_product *p,
+                                                                 __m256 dot[][2][2], __m256 acc[][2]) {
+  const int64_t G = p->K / GROUP;
+  for (int h = 0; h < HALVES; ++h) {
+    const __m256 scales = widen_lanes(1, scales_zeros, g * 32 + 8 * h);
+    const __m256 zeros = widen_lanes(1, scales_zeros, g * 32 + 16 + 8 * h);
+    const __m256 code_zero = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scales, zeros);
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r][h] = _mm256_fmadd_ps(scales, _mm256_add_ps(dot[r][h][0], dot[r][h][1]), acc[r][h]);
+      acc[r][h] = _mm256_fmadd_ps(code_zero, _mm256_set1_ps(p->sums[(m0 + r) * G + g]), acc[r][h]);
+    }
+  }
+}
+
+/* The sums acc[r][h] as outputs n0 + 8h .. n0 + 8h + 7 of rows m0 + r (those below N). */
+static inline __attribute__((always_inline)) void int4_store(const int HALVES, const int ROWS, int64_t m0,
+                                                             int64_t n0, const struct float_product *p,
+                                                             __m256 acc[][2]) {
+  for (int r = 0; r < ROWS; ++r)
+    for (int h = 0; h < HALVES; ++h) {
+      float out[8];
+      _mm256_storeu_ps(out, acc[r][h]);
+      for (int c = 0; c < 8 && n0 + 8 * h + c < p->N; ++c) float_store(p, m0 + r, n0 + 8 * h + c, out[c]);
+    }
+}
+
 /* Outputs n0 .. n0 + 8 * HALVES - 1 of block n0 / 16 (HALVES 1: its half n0 / 8 % 2 alone; 2: both, each
  * 64-byte run read whole at once), of input rows m0 .. m0 + ROWS - 1. */
 static inline __attribute__((always_inline)) void int4_halves(const int HALVES, const int ROWS, int64_t m0, int64_t n0,
@@ -880,22 +911,9 @@ static inline __attribute__((always_inline)) void int4_halves(const int HALVES, 
           }
         }
     }
-    for (int h = 0; h < HALVES; ++h) {
-      const __m256 scales = widen_lanes(1, scales_zeros, g * 32 + 8 * h);
-      const __m256 zeros = widen_lanes(1, scales_zeros, g * 32 + 16 + 8 * h);
-      const __m256 code_zero = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scales, zeros);
-      for (int r = 0; r < ROWS; ++r) {
-        acc[r][h] = _mm256_fmadd_ps(scales, _mm256_add_ps(dot[r][h][0], dot[r][h][1]), acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(code_zero, _mm256_set1_ps(p->sums[(m0 + r) * G + g]), acc[r][h]);
-      }
-    }
+    int4_group_end(HALVES, ROWS, m0, g, scales_zeros, p, dot, acc);
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int h = 0; h < HALVES; ++h) {
-      float out[8];
-      _mm256_storeu_ps(out, acc[r][h]);
-      for (int c = 0; c < 8 && n0 + 8 * h + c < p->N; ++c) float_store(p, m0 + r, n0 + 8 * h + c, out[c]);
-    }
+  int4_store(HALVES, ROWS, m0, n0, p, acc);
 }
 
 /* Outputs n0 .. n0 + 15 (COLS 16, block n0 / 16) of input rows m0 .. m0 + ROWS - 1: both halves of each
@@ -962,22 +980,9 @@ static inline __attribute__((always_inline)) void int4_widened_rows(const int RO
             for (int r = 0; r < ROWS; ++r) dot[r][h][c] = _mm256_fmadd_ps(weight, input[r], dot[r][h][c]);
           }
         }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 scales = widen_lanes(1, scales_zeros, g * 32 + 8 * h);
-      const __m256 zeros = widen_lanes(1, scales_zeros, g * 32 + 16 + 8 * h);
-      const __m256 code_zero = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scales, zeros);
-      for (int r = 0; r < ROWS; ++r) {
-        acc[r][h] = _mm256_fmadd_ps(scales, _mm256_add_ps(dot[r][h][0], dot[r][h][1]), acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(code_zero, _mm256_set1_ps(p->sums[(m0 + r) * G + g]), acc[r][h]);
-      }
-    }
+    int4_group_end(2, ROWS, m0, g, scales_zeros, p, dot, acc);
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int h = 0; h < 2; ++h) {
-      float out[8];
-      _mm256_storeu_ps(out, acc[r][h]);
-      for (int c = 0; c < 8 && n0 + 8 * h + c < p->N; ++c) float_store(p, m0 + r, n0 + 8 * h + c, out[c]);
-    }
+  int4_store(2, ROWS, m0, n0, p, acc);
 }
 
 /* Rows from which int4_mm's AVX2 products widen each block's codes once (int4_prompt_avx2): with fewer,
