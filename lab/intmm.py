@@ -437,13 +437,13 @@ def block_rows(
     return out
 
 
-Sequence = tuple[torch.Tensor, torch.Tensor]
+SequenceCache = tuple[torch.Tensor, torch.Tensor]
 """One sequence's cache as ``stack_rows`` and ``step_rows`` read it: ``lab.model.KVCache``'s k and v,
 [L, 1, H, T_max, Dh] each."""
 
 
 def _stack_arguments(
-    weights: list[BlockWeights], x: torch.Tensor, sequences: list[Sequence], positions: list[int],
+    weights: list[BlockWeights], x: torch.Tensor, sequences: list[SequenceCache], positions: list[int],
     layers: list[int], flags: list[list[bool]] | None,
 ) -> tuple[ctypes.Array, ...]:  # fmt: skip
     """The C ``stack_rows``' arguments checked, as it reads them, for rows x [B, D], row b of the
@@ -489,7 +489,7 @@ def _block_flags(flags: list[list[bool]]) -> ctypes.Array:
 
 
 def _stack_call(
-    weights: list[BlockWeights], x: torch.Tensor, sequences: list[Sequence], positions: list[int],
+    weights: list[BlockWeights], x: torch.Tensor, sequences: list[SequenceCache], positions: list[int],
     layers: list[int], overwrite: list[list[bool]] | None, runs: list[list[bool]] | None,
 ) -> torch.Tensor:  # fmt: skip
     """The C ``stack_rows`` over rows x [B, D] (``_stack_arguments``), ``runs[j][b]``: row b runs block j
@@ -516,7 +516,7 @@ def stack_rows(
 ) -> torch.Tensor:  # fmt: skip
     """One sequence's tokens x [T, D] at positions pos .. pos + T - 1 through a run of blocks in one
     call: ``weights[j]`` (a ``BlockWeights``) over layer ``layers[j]`` of the sequence's cache
-    ``keys``, ``values`` (a ``Sequence``), each token a row attending causally, as ``block_rows`` over
+    ``keys``, ``values`` (a ``SequenceCache``), each token a row attending causally, as ``block_rows`` over
     each block in turn computes; ``overwrite[j]``: block j hands on attn_out + mlp_out. [T, D]: the
     stream leaving the last block."""
     T = x.size(0)
@@ -527,7 +527,7 @@ def stack_rows(
 
 
 def step_rows(
-    weights: list[BlockWeights], x: torch.Tensor, sequences: list[Sequence], positions: list[int],
+    weights: list[BlockWeights], x: torch.Tensor, sequences: list[SequenceCache], positions: list[int],
     layers: list[int], runs: list[list[bool]], overwrite: list[list[bool]] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """A decode step's rows x [B, D], one token each, row b of its own sequence's cache ``sequences[b]``
