@@ -180,8 +180,9 @@ def decode_rows(
     (``propagate_kv``); a ``lens=tuned`` row that left early is read out through the translator of
     its last block (``lab.lens.translator.translate_exits``: one D x D product, at the read-out only).
     Under ``lab.rows.rows_alone`` a row's logits are bit for bit those it gets alone. Where the model
-    has ``run_rows`` (``lab.block_kernel``) and no row is adaptive, every row's blocks run in one call,
-    computing what the loop over blocks computes. A row whose
+    has ``run_rows`` (``lab.block_kernel``), the rows under fixed block sets run all their blocks in
+    one call, computing what the loop over blocks computes; adaptive rows go through the loop. A row
+    whose
     decoder has a fast step (``lab.fast``) takes it, alone, when it is the only row or under
     ``rows_alone``; the others run together here.
     """
@@ -215,14 +216,21 @@ def _decode_together(
     x = model.embed_tokens(idx, torch.tensor(positions, device=device))  # [B, 1, D]
     ran = [0] * B  # blocks each row has run
     going = [True] * B  # False once an adaptive row exits
-    if model.run_rows is not None and not any(decoder.block_set.is_adaptive for decoder in decoders):
-        # every row through its blocks in one call (lab.block_kernel), the same sums block by block
-        blocks = [decoder.blocks for decoder in decoders]
-        caches = [decoder.cache for decoder in decoders]
-        overwrite = [decoder.block_set.overwrite for decoder in decoders]
-        out = model.run_rows(model, x, blocks, caches, positions, overwrite)  # [B, 1, D], or None
+    fixed = [b for b, decoder in enumerate(decoders) if not decoder.block_set.is_adaptive]
+    if model.run_rows is not None and fixed:
+        # the rows under fixed sets through their blocks in one call (lab.block_kernel), the same sums
+        # block by block; adaptive rows decide after each block, in the loop below
+        picked = [decoders[b] for b in fixed]
+        blocks = [decoder.blocks for decoder in picked]
+        caches = [decoder.cache for decoder in picked]
+        overwrite = [decoder.block_set.overwrite for decoder in picked]
+        at = [positions[b] for b in fixed]
+        x_fixed = x if len(fixed) == B else x[fixed]  # [F, 1, D]
+        out = model.run_rows(model, x_fixed, blocks, caches, at, overwrite)  # [F, 1, D], or None
         if out is not None:
-            x, ran, going = out, [len(row_blocks) for row_blocks in blocks], [False] * B
+            x = out if len(fixed) == B else x.index_copy(0, torch.tensor(fixed, device=device), out)
+            for b in fixed:
+                ran[b], going[b] = len(decoders[b].blocks), False
     read_before: list[torch.Tensor | None] = [None] * B  # ln_f before the block just run, once checking
     for i, block in enumerate(model.blocks):
         rows = [b for b in range(B) if going[b] and i in decoders[b].runs]

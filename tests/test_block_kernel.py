@@ -257,8 +257,9 @@ def test_a_decode_steps_rows_under_their_own_block_sets_are_one_call_with_the_bl
     """decode_rows' step of rows under different block sets (skipped, kept, exited, overwriting
     blocks), each at its own position over its own cache, is one call to lab.intmm.step_rows: the
     logits, the blocks run and every cache are bit for bit those of the blocks called one by one, each
-    on the rows that run it. A batch with an adaptive row, which decides per block, runs block by
-    block."""
+    on the rows that run it. In a batch with an adaptive row, which decides after each block, the
+    other rows still take the one call and the adaptive row the blocks one by one, with the same
+    bits."""
     model = load_model(saved, kind)
     steps = []
     step = intmm.step_rows
@@ -272,9 +273,14 @@ def test_a_decode_steps_rows_under_their_own_block_sets_are_one_call_with_the_bl
             decoders = staggered_decoders(model, specs, list(range(30, 40)))
             logits, blocks_run = decode_rows(model, decoders, fed)
             results.append((logits, blocks_run, [(d.cache.k, d.cache.v, d.position) for d in decoders]))
+        mixed = []
+        for run_rows in (block_kernel.run_rows, None):
+            model.run_rows = run_rows
+            decoders = staggered_decoders(model, ["all", "adaptive=0.5", "skip=1"], list(range(30, 40)))
+            mixed.append(decode_rows(model, decoders, fed[:3]))
         model.run_rows = block_kernel.run_rows
-        decode_rows(model, staggered_decoders(model, ["all", "adaptive=0.5"], list(range(30, 40))), fed[:2])
-    assert steps == [3]  # one call for the step; none without run_rows, none with an adaptive row
+    assert steps == [3, 3]  # one call a step, none without run_rows; an adaptive row stays out of it
+    assert torch.equal(mixed[0][0], mixed[1][0]) and mixed[0][1] == mixed[1][1]
     (logits, blocks_run, caches), (logits_apart, blocks_apart, caches_apart) = results
     assert torch.equal(logits, logits_apart) and blocks_run == blocks_apart
     assert blocks_run[2] == [0, 1] and blocks_run[6] == []
