@@ -1419,6 +1419,8 @@ static double multiply_adds_avx2(int64_t turns) {
   return (double)sum_lanes(total);
 }
 
+static volatile double multiply_add_sink; /* the chains' sum is stored, so the compiler keeps them */
+
 /* Multiply-adds a second over every thread, from `turns` turns each. */
 double multiply_add_rate(int64_t turns) {
   const int avx512 = intmm_isa(-1) == 1, lanes = avx512 ? 16 : 8;
@@ -1429,7 +1431,8 @@ double multiply_add_rate(int64_t turns) {
     threads += 1.0;
   }
   const double seconds = omp_get_wtime() - start;
-  return sink == 12345.0 ? 0.0 : threads * (double)(turns * PEAK_CHAINS * lanes) / seconds; /* sink: kept */
+  multiply_add_sink = sink;
+  return threads * (double)(turns * PEAK_CHAINS * lanes) / seconds;
 }
 
 /* A decode step's block in one call: every row of one token through a pre-LN (GPT-2) block,
