@@ -113,6 +113,11 @@ def scheduler_rows(r: dict) -> list[tuple[str, str, str]]:
             f"{value('ttft_4_clients_p50_ms', 0)} (alone {r['ttft_alone_ms']:.0f})",
             f"<= {r['ttft_bound_ms']:.0f}",
         ),
+        (
+            f"{name}: TTFT p50 of 8 streaming clients / of 4",
+            f"{value('ttft_8_over_4_clients')} ({r['ttft_8_clients_p50_ms']:.0f} ms)",
+            "<= 1.5",
+        ),
         (f"{name}: 4 block sets at once / in turn", value("four_block_sets_speedup"), ">= 1.6"),
         (f"{name}: 8 adaptive clients / 1", value("eight_adaptive_speedup"), ">= 2"),
         (f"{name}: TPOT of skip half / all, 4 clients", value("tpot_skip_half_over_all"), "<= 0.7"),

@@ -24,7 +24,7 @@ invariance).
    - head-of-line: a 1-token request sent 0.5 s into a 200-token generation, against the same
      request alone plus 6 decode steps (target: within 3x alone + 6 steps);
    - 4 closed-loop streaming clients: median time to first token against a lone request's plus 4
-     decode steps;
+     decode steps; 8 clients' against 4 clients' (target: at most 1.5x);
    - 4 requests of 4 block sets (adaptive among them) at once against one after another (target
      >= 1.6x the throughput), and 8 adaptive clients against one (target >= 2x);
    - 4 clients under ``skip`` of half the blocks against ``all``: time per output token (target
@@ -272,15 +272,21 @@ async def head_of_line(http: httpx.AsyncClient, base: dict) -> dict:
 
 
 async def ttft_under_load(http: httpx.AsyncClient, base: dict, step_ms: float) -> dict:
-    """4 streaming clients, closed loop, 16 new tokens each: time to first token against alone."""
+    """4, then 8 streaming clients, closed loop, 16 new tokens each: time to first token against alone
+    (bound: alone + 4 steps), and 8 clients' against 4 clients' (bound: 1.5x)."""
     alone = [(await answered(http, streamed(base, max_new_tokens=16))).ttft_s for _ in range(3)]
-    bodies = [streamed(base, max_new_tokens=16, seed=i) for i in range(12)]
-    _, replies = await together(http, bodies, clients=4)
+    ttft_p50 = {}
+    for clients in (4, 8):
+        bodies = [streamed(base, max_new_tokens=16, seed=i) for i in range(3 * clients)]
+        _, replies = await together(http, bodies, clients=clients)
+        ttft_p50[clients] = p50_ms([reply.ttft_s for reply in replies])
     ttft_alone = p50_ms(alone)
     return {
         "ttft_alone_ms": round(ttft_alone, 1),
-        "ttft_4_clients_p50_ms": round(p50_ms([reply.ttft_s for reply in replies]), 1),
+        "ttft_4_clients_p50_ms": round(ttft_p50[4], 1),
         "ttft_bound_ms": round(ttft_alone + 4 * step_ms, 1),
+        "ttft_8_clients_p50_ms": round(ttft_p50[8], 1),
+        "ttft_8_over_4_clients": round(ttft_p50[8] / ttft_p50[4], 2),
     }
 
 
@@ -431,7 +437,9 @@ def _print_scheduling(r: dict) -> None:
     )
     print(
         f"  4 streaming clients: TTFT p50 {with_interval(r, 'ttft_4_clients_p50_ms')} ms "
-        f"(alone {with_interval(r, 'ttft_alone_ms')}; target <= {r['ttft_bound_ms']:.0f})"
+        f"(alone {with_interval(r, 'ttft_alone_ms')}; target <= {r['ttft_bound_ms']:.0f}); 8 clients "
+        f"{with_interval(r, 'ttft_8_clients_p50_ms')} ms, {with_interval(r, 'ttft_8_over_4_clients', 2)}x "
+        f"4 clients' (target <= 1.5)"
     )
     print(
         f"  4 block sets at once {with_interval(r, 'four_block_sets_speedup', 2)}x one after another "
