@@ -38,7 +38,7 @@ from lab.errors import UserError
 from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
 from lab.machine import Device, device_named
 from lab.model import GPT
-from lab.quantize import QUANTIZED_DTYPES, WeightDtype
+from lab.quantize import WeightDtype
 from lab.sampling import (
     GREEDY,
     FinishReason,
@@ -473,9 +473,7 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     tuner = None if args.threads else ThreadTuner()  # its first window: the model's loading
     text = _read_text(args)  # before the model loads: a wrong path fails at once
-    quantized = args.dtype in QUANTIZED_DTYPES
-    device = device_named("cpu" if quantized and args.device == "auto" else args.device)
-    model = load_model(args.model, args.dtype, device=device)
+    model = load_model(args.model, args.dtype, device=device_named(args.device, args.dtype))
     if command == "generate" and args.compile:
         fast.accelerate(model)
     try:

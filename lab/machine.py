@@ -13,13 +13,20 @@ Device = Literal["auto", "cpu", "cuda"]
 """``--device``: auto takes the first CUDA device where torch sees one, else the CPU."""
 
 
-def device_named(choice: str) -> str:
-    """The torch device of ``--device choice``: ``cuda:0`` or ``cpu`` for auto; cuda where torch sees
-    no CUDA device is a UserError that says so (a CPU wheel of torch sees none)."""
+def device_named(choice: str, dtype: str = "float32") -> str:
+    """The torch device of ``--device choice`` for weights of ``dtype``: ``cuda:0`` or ``cpu`` for auto,
+    the CPU for the integer kinds (``lab.quantize.QUANTIZED_DTYPES``, CPU kernels), which cuda refuses;
+    cuda where torch sees no CUDA device is a UserError that says so (a CPU wheel of torch sees none)."""
     import torch
+
+    from lab.quantize import QUANTIZED_DTYPES
 
     if choice not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device: auto, cpu or cuda, not {choice!r}")
+    if dtype in QUANTIZED_DTYPES:
+        if choice == "cuda":
+            raise UserError(f"--dtype {dtype} runs on the CPU: use --device cpu (or auto)")
+        return "cpu"
     if choice == "cpu" or choice == "auto" and not torch.cuda.is_available():
         return "cpu"
     if not torch.cuda.is_available():

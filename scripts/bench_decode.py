@@ -296,6 +296,11 @@ def builtin_steps(prompt: list[int], tokens: int, rounds: int, compile: bool) ->
     }
 
 
+def skip_half(n_layer: int) -> str:
+    """The block set that skips the middle half of ``n_layer`` blocks: ``skip=3,4,5,6,7,8`` of 12."""
+    return f"skip={','.join(map(str, range(n_layer // 4, n_layer // 4 + n_layer // 2)))}"
+
+
 PROMPT_LENGTHS = (19, 64)
 """Prompts whose prefill ``prefills`` times: a short one, and the server's chunk."""
 
@@ -337,7 +342,7 @@ def builtin_rows(prompt: list[int], rounds: int) -> dict:
     ``rounds`` rounds with its 95% interval, and their ratio."""
     model = load_model("builtin")
     n = model.config.n_layer
-    mixed = ["all", f"skip={','.join(map(str, range(n // 4, n // 4 + n // 2)))}", f"exit={n // 2}", "skip=5"]
+    mixed = ["all", skip_half(n), f"exit={n // 2}", "skip=5"]
     one_call = model.run_rows
 
     def step(decoders: list[Decoder], run_rows) -> float:
@@ -392,8 +397,8 @@ def cuda_results(prompt: list[int], tokens: int, rounds: int) -> dict:
     models = {dtype: load_model("gpt2-random", dtype, device=device) for dtype in CUDA_DTYPES}
     graphed = {dtype: fast.accelerate(load_model("gpt2-random", dtype, device=device)) for dtype in models}
     n = models["float32"].config.n_layer
-    specs = ["all", f"skip={','.join(map(str, range(n // 4, n // 4 + n // 2)))}", f"keep=0,1,{n - 1}",
-             f"overwrite={n // 2}", f"exit={n // 2}", "adaptive=0.9"]  # fmt: skip
+    specs = ["all", skip_half(n), f"keep=0,1,{n - 1}", f"overwrite={n // 2}", f"exit={n // 2}"]
+    specs.append("adaptive=0.9")
     hf = hf_twin(models["float32"]).to(device)  # the CUDA tensors copied into its CPU ones, then moved
     configs = {"transformers fp32": lambda: ms_per_token_hf(hf, prompt, tokens)}
     for dtype in CUDA_DTYPES:

@@ -30,7 +30,6 @@ from lab.errors import UserError
 from lab.generate import generate
 from lab.machine import Device, device_named
 from lab.model import GPT
-from lab.quantize import QUANTIZED_DTYPES
 
 DEFAULT_STACKS = ("6x1088", "12x768", "24x544", "48x384")
 
@@ -244,9 +243,7 @@ def main(argv: list[str]) -> int:
     if args.new < 2:
         raise UserError("--new: need at least 2 tokens (the first comes from the prefill)")
 
-    quantized = args.dtype in QUANTIZED_DTYPES
-    if quantized and args.device == "cuda":
-        raise UserError(f"--dtype {args.dtype} runs on the CPU: use --device cpu (or auto)")
+    device = device_named(args.device, args.dtype)
     torch.set_num_threads(args.threads)
     report = depth_report(
         list(args.stacks),
@@ -257,7 +254,7 @@ def main(argv: list[str]) -> int:
         args.new,
         args.repeats,
         args.dtype,
-        device_named("cpu" if quantized and args.device == "auto" else args.device),
+        device,
     )
     report["png"] = plot(report, args)
     common.emit(args, report, render(report))
