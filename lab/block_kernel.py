@@ -45,6 +45,7 @@ from torch import nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from lab import intmm
+from lab.blocks import BlockSet
 from lab.float_kernels import KernelLinear
 from lab.model import GPT, Block, CausalSelfAttention, KVCache, LayerCache
 from lab.quantize import QuantizedLinear
@@ -255,19 +256,31 @@ def run_stack(
 
 def run_rows(
     model: GPT, x: torch.Tensor, blocks: list[list[int]], caches: list[KVCache], positions: list[int],
-    overwrite: list[Collection[int]],
-) -> torch.Tensor | None:  # fmt: skip
+    overwrite: list[Collection[int]], adaptive: list[BlockSet | None] | None = None,
+) -> tuple[torch.Tensor, list[int]] | None:  # fmt: skip
     """A decode step's rows x [B, 1, D], row b through ``blocks[b]`` (ascending) over its own sequence's
     cache ``caches[b]`` at ``positions[b]``, ``overwrite[b]`` its blocks that overwrite: every block any
     row runs in one call to ``lab.intmm.step_rows``, each on the rows that run it (what
     ``lab.decode.decode_rows`` computes block by block, as ``KernelBlock.forward`` computes each
-    block's rows), where each of those blocks is a ``KernelBlock`` that takes the B rows in one call;
-    else None (the blocks one by one). [B, 1, D]."""
+    block's rows), where each of those blocks is a ``KernelBlock`` that takes the B rows in one call.
+    ``adaptive[b]``: row b's adaptive block set (None: a fixed one), whose exit check (the final norm
+    and the exit probe or the cosine, ``exit_rule``) the call makes after each block, propagating the
+    keys and values of the blocks it leaves unrun. The rows' streams [B, 1, D] and the blocks each ran;
+    None where the call cannot take them (the blocks one by one)."""
     B, _, D = x.shape
     for cache, row_blocks in zip(caches, blocks, strict=True):
         if not isinstance(cache.k, torch.Tensor) or cache.k.size(1) != 1:
             return None  # lab.fast's caches hold a tensor per layer; a batch's cache several sequences
         if any(later <= earlier for earlier, later in zip(row_blocks, row_blocks[1:], strict=False)):
+            return None
+    rules = None
+    if adaptive is not None and any(adaptive):
+        rules = [
+            None if block_set is None else exit_rule(model, block_set, x.dtype) for block_set in adaptive
+        ]
+        if any(
+            rule is None and block_set is not None for rule, block_set in zip(rules, adaptive, strict=True)
+        ):
             return None
     layers = sorted(set().union(*blocks))
     weights = _stack_weights(model, layers, x, B, sequence=False)
@@ -276,8 +289,33 @@ def run_rows(
     runs = [[i in row_blocks for row_blocks in blocks] for i in layers]
     flags = [[i in row_overwrite for row_overwrite in overwrite] for i in layers] if any(overwrite) else None
     sequences = [(cache.k, cache.v) for cache in caches]
-    out = intmm.step_rows(weights, x.reshape(B, D), sequences, positions, layers, runs, flags)  # [B, D]
-    return out.view(B, 1, D)
+    out, ran = intmm.step_rows(weights, x.reshape(B, D), sequences, positions, layers, runs, flags, rules)
+    return out.view(B, 1, D), ran
+
+
+def exit_rule(model: GPT, block_set: BlockSet, dtype: torch.dtype) -> intmm.ExitRule | None:
+    """An adaptive set's exit check as ``lab.intmm.step_rows`` makes it (``lab.decode.exit_score`` over
+    ``model.ln_f``), for activations of ``dtype``; None where the call cannot make it: a final norm that
+    is no LayerNorm with a weight, or one that is hooked (its hooks see every check)."""
+    norm = model.ln_f
+    if (
+        type(norm) is not nn.LayerNorm
+        or norm.weight is None
+        or norm._forward_hooks
+        or norm._forward_pre_hooks
+    ):
+        return None
+    probe = None
+    if block_set.adaptive_check == "probe":
+        probe = (model.exit_probe.weight.contiguous(), model.exit_probe.bias.contiguous())
+    bias = None if norm.bias is None else norm.bias.detach()
+    try:
+        return intmm.ExitRule(
+            (norm.weight.detach(), bias, norm.eps), probe, block_set.adaptive_threshold,
+            block_set.adaptive_min_blocks, dtype,
+        )  # fmt: skip
+    except ValueError:
+        return None
 
 
 class DraftKernel:

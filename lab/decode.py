@@ -180,11 +180,12 @@ def decode_rows(
     (``propagate_kv``); a ``lens=tuned`` row that left early is read out through the translator of
     its last block (``lab.lens.translator.translate_exits``: one D x D product, at the read-out only).
     Under ``lab.rows.rows_alone`` a row's logits are bit for bit those it gets alone. Where the model
-    has ``run_rows`` (``lab.block_kernel``), the rows under fixed block sets run all their blocks in
-    one call, computing what the loop over blocks computes; adaptive rows go through the loop. A row
-    whose
-    decoder has a fast step (``lab.fast``) takes it, alone, when it is the only row or under
-    ``rows_alone``; the others run together here.
+    has ``run_rows`` (``lab.block_kernel``), every row runs all its blocks in one call, computing what
+    the loop over blocks computes; an adaptive row's check and its propagated keys and values in the
+    call too (its arithmetic C's, torch's rounding kept: the same exits, the same values up to the
+    last bits), unless the call cannot make the check (a hooked ``ln_f``): then that row takes the
+    loop and the others the call. A row whose decoder has a fast step (``lab.fast``) takes it, alone,
+    when it is the only row or under ``rows_alone``; the others run together here.
     """
     alone = len(decoders) == 1 or ROWS_ALONE.get()
     fast = [b for b, d in enumerate(decoders) if alone and d.fast is not None and d.fast.ready()]
@@ -215,22 +216,28 @@ def _decode_together(
     idx = torch.tensor(tokens, device=device)[:, None]  # [B, 1]
     x = model.embed_tokens(idx, torch.tensor(positions, device=device))  # [B, 1, D]
     ran = [0] * B  # blocks each row has run
-    going = [True] * B  # False once an adaptive row exits
-    fixed = [b for b, decoder in enumerate(decoders) if not decoder.block_set.is_adaptive]
-    if model.run_rows is not None and fixed:
-        # the rows under fixed sets through their blocks in one call (lab.block_kernel), the same sums
-        # block by block; adaptive rows decide after each block, in the loop below
-        picked = [decoders[b] for b in fixed]
-        blocks = [decoder.blocks for decoder in picked]
-        caches = [decoder.cache for decoder in picked]
-        overwrite = [decoder.block_set.overwrite for decoder in picked]
-        at = [positions[b] for b in fixed]
-        x_fixed = x if len(fixed) == B else x[fixed]  # [F, 1, D]
-        out = model.run_rows(model, x_fixed, blocks, caches, at, overwrite)  # [F, 1, D], or None
-        if out is not None:
-            x = out if len(fixed) == B else x.index_copy(0, torch.tensor(fixed, device=device), out)
-            for b in fixed:
-                ran[b], going[b] = len(decoders[b].blocks), False
+    going = [True] * B  # False once a row is done: run in one call, or an adaptive row that exited
+    called: list[int] = []  # the rows run_rows took: their unrun blocks' keys and values are written
+    if model.run_rows is not None:
+        fixed = [b for b, decoder in enumerate(decoders) if not decoder.block_set.is_adaptive]
+        # every row's blocks in one call (lab.block_kernel), the same sums as block by block; where the
+        # call cannot make an adaptive row's check, the fixed rows alone, the adaptive ones in the loop
+        for rows in (list(range(B)), fixed) if len(fixed) < B else (fixed,):
+            picked = [decoders[b] for b in rows]
+            adaptive = [d.block_set if d.block_set.is_adaptive else None for d in picked]
+            x_rows = x if len(rows) == B else x[rows]  # [R, 1, D]
+            at = [positions[b] for b in rows]
+            out = model.run_rows(
+                model, x_rows, [d.blocks for d in picked], [d.cache for d in picked], at,
+                [d.block_set.overwrite for d in picked], adaptive,
+            ) if rows else None  # fmt: skip
+            if out is not None:
+                x_out, rows_ran = out  # [R, 1, D], blocks per row
+                x = x_out if len(rows) == B else x.index_copy(0, torch.tensor(rows, device=device), x_out)
+                for b, row_ran in zip(rows, rows_ran, strict=True):
+                    ran[b], going[b] = row_ran, False
+                called = rows
+                break
     read_before: list[torch.Tensor | None] = [None] * B  # ln_f before the block just run, once checking
     for i, block in enumerate(model.blocks):
         rows = [b for b in range(B) if going[b] and i in decoders[b].runs]
@@ -259,6 +266,8 @@ def _decode_together(
                 going[b] = False
             read_before[b] = read_now
     for b, decoder in enumerate(decoders):
+        if b in called:
+            continue
         for i in decoder.blocks[ran[b] :]:  # exited early: deeper blocks still need this position's K/V
             propagate_kv(model.blocks[i], x[b : b + 1], decoder.cache.layer(i), positions[b])
     exits = [decoder.exit_translator(ran[b]) for b, decoder in enumerate(decoders)]  # lens=tuned rows

@@ -208,7 +208,10 @@ def _library(source_file: Path = SOURCE) -> ctypes.CDLL:
     library.block_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 7
     library.stack_rows.restype = ctypes.c_int
     library.stack_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    library.stack_rows.argtypes += [ctypes.c_void_p] * 8
+    library.stack_rows.argtypes += [ctypes.c_void_p] * 7
+    library.step_rows.restype = ctypes.c_int
+    library.step_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    library.step_rows.argtypes += [ctypes.c_void_p] * 11
     library.draft_row.restype = ctypes.c_int64
     library.draft_row.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     library.draft_row.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 6
@@ -489,24 +492,23 @@ def _block_flags(flags: list[list[bool]]) -> ctypes.Array:
 
 
 def _stack_call(
-    weights: list[BlockWeights], x: torch.Tensor, sequences: list[SequenceCache], positions: list[int],
-    layers: list[int], overwrite: list[list[bool]] | None, runs: list[list[bool]] | None,
+    name: str, weights: list[BlockWeights], x: torch.Tensor, sequences: list[SequenceCache],
+    positions: list[int], layers: list[int], overwrite: list[list[bool]] | None, *more,
 ) -> torch.Tensor:  # fmt: skip
-    """The C ``stack_rows`` over rows x [B, D] (``_stack_arguments``), ``runs[j][b]``: row b runs block j
-    (None: every row every block). [B, D]."""
+    """The C ``stack_rows`` or ``step_rows`` (``name``) over rows x [B, D], its arguments checked
+    (``_stack_arguments``), ``more`` after the flags. [B, D]."""
     B, D = x.shape
     arguments = _stack_arguments(weights, x, sequences, positions, layers, overwrite)
     blocks, at, k_rows, v_rows, lengths, flags = arguments
-    run_flags = None if runs is None else _block_flags(runs)
     out = torch.empty(B, D, dtype=x.dtype)
-    status = _function("stack_rows")(
-        blocks, len(weights), B, x.dtype is torch.bfloat16, x.data_ptr(), k_rows, v_rows, lengths, at, flags,
-        run_flags, out.data_ptr(),
-    )
+    bf16 = x.dtype is torch.bfloat16
+    status = _function(name)(
+        blocks, len(weights), B, bf16, x.data_ptr(), k_rows, v_rows, lengths, at, flags, *more, out.data_ptr()
+    )  # fmt: skip
     if status == -1:
-        raise MemoryError(f"stack_rows: no memory for the activations of {B} rows")
+        raise MemoryError(f"{name}: no memory for the activations of {B} rows")
     if status != 0:
-        raise ValueError(f"stack_rows: weights the kernel does not take (status {status})")
+        raise ValueError(f"{name}: weights the kernel does not take (status {status})")
     return out
 
 
@@ -523,21 +525,82 @@ def stack_rows(
     if not 0 <= pos <= pos + T <= keys.size(-2):
         raise ValueError(f"stack_rows: positions {pos}..{pos + T - 1} outside a cache of {keys.size(-2)}")
     flags = None if overwrite is None else [[flag] * T for flag in overwrite]
-    return _stack_call(weights, x, [(keys, values)] * T, list(range(pos, pos + T)), layers, flags, None)
+    sequence = [(keys, values)] * T
+    return _stack_call("stack_rows", weights, x, sequence, list(range(pos, pos + T)), layers, flags)
+
+
+class _ExitRule(ctypes.Structure):
+    """lab/kernels/intmm.c's ``struct exit_rule``."""
+
+    _fields_ = [
+        ("ln_weight", ctypes.c_void_p), ("ln_bias", ctypes.c_void_p), ("eps", ctypes.c_double),
+        ("probe_weight", ctypes.c_void_p), ("probe_bias", ctypes.c_void_p), ("threshold", ctypes.c_double),
+        ("min_blocks", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+class ExitRule:
+    """How an adaptive row of ``step_rows`` decides to leave (``lab.decode``'s adaptive exit): the final
+    norm's weight and bias (or None) [D] in the activations' dtype and its eps, the exit probe's weight
+    [L, D] and bias [L] in float32 (None: the cosine of consecutive reads), the threshold and the
+    fewest blocks before a check. It holds the tensors."""
+
+    def __init__(
+        self, norm: tuple[torch.Tensor, torch.Tensor | None, float],
+        probe: tuple[torch.Tensor, torch.Tensor] | None, threshold: float, min_blocks: int,
+        dtype: torch.dtype,
+    ):  # fmt: skip
+        ln_weight, ln_bias, eps = norm
+        d = ln_weight.numel()
+        pointers = [BlockWeights._dense(ln_weight, d, dtype), BlockWeights._dense(ln_bias, d, dtype)]
+        self.tensors = [ln_weight, ln_bias]
+        if probe is None:
+            pointers += [None, None]
+        else:
+            weight, bias = probe
+            if weight.dtype is not torch.float32 or bias.dtype is not torch.float32 or weight.size(-1) != d:
+                raise ValueError(
+                    f"step_rows: a float32 probe [L, {d}], got {weight.dtype} {list(weight.shape)}"
+                )
+            if not weight.is_contiguous() or not bias.is_contiguous() or bias.numel() != weight.size(0):
+                raise ValueError("step_rows: a dense probe, a bias per block")
+            pointers += [weight.data_ptr(), bias.data_ptr()]
+            self.tensors += [weight, bias]
+        self.layers = None if probe is None else probe[0].size(0)
+        self.struct = _ExitRule(*pointers[:2], eps, *pointers[2:], threshold, min_blocks)
 
 
 def step_rows(
     weights: list[BlockWeights], x: torch.Tensor, sequences: list[SequenceCache], positions: list[int],
     layers: list[int], runs: list[list[bool]], overwrite: list[list[bool]] | None = None,
-) -> torch.Tensor:  # fmt: skip
+    rules: list[ExitRule | None] | None = None,
+) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
     """A decode step's rows x [B, D], one token each, row b of its own sequence's cache ``sequences[b]``
     at ``positions[b]``, through their blocks in one call: block ``weights[j]`` over layer ``layers[j]``
     runs on the rows b with ``runs[j][b]`` (the others' streams pass it unchanged), ``overwrite[j][b]``:
     row b takes attn_out + mlp_out from it; as ``block_rows`` of each block's rows alone computes them.
-    [B, D]: each row's stream leaving its last block."""
-    if len(runs) != len(weights) or any(len(block) != x.size(0) for block in runs):
+    ``rules[b]`` (an ``ExitRule``; None: a row under a fixed set): row b leaves after a block once its
+    rule says so, and each later block it runs gets this position's keys and values from its exit
+    state (``lab.decode.propagate_kv``). Each row's stream leaving its last block [B, D], and the
+    blocks each row ran."""
+    B, D = x.shape
+    if len(runs) != len(weights) or any(len(block) != B for block in runs):
         raise ValueError(f"step_rows: a flag per block and row, got {len(runs)} blocks for {len(weights)}")
-    return _stack_call(weights, x, sequences, positions, layers, overwrite, runs)
+    if rules is not None and len(rules) != B:
+        raise ValueError(f"step_rows: a rule (or None) per row, got {len(rules)} for {B} rows")
+    for rule in rules or ():
+        if rule is not None and rule.layers is not None and not all(0 <= i < rule.layers for i in layers):
+            raise ValueError(f"step_rows: layers {layers} outside a probe of {rule.layers}")
+    rule_pointers = None
+    if rules is not None:
+        rule_pointers = (ctypes.c_void_p * B)(
+            *[None if r is None else ctypes.addressof(r.struct) for r in rules]
+        )
+    ran = (ctypes.c_int64 * B)()
+    layer_numbers = (ctypes.c_int64 * len(layers))(*layers)
+    more = (_block_flags(runs), layer_numbers, rule_pointers, ran)
+    out = _stack_call("step_rows", weights, x, sequences, positions, layers, overwrite, *more)
+    return out, list(ran)
 
 
 class _DraftHead(ctypes.Structure):
@@ -605,8 +668,17 @@ def draft_row(
     blocks, _, k_rows, v_rows, lengths, flags = arguments
     stream, logits = torch.empty(D), torch.empty(head.n) if read else None
     index = _function("draft_row")(
-        blocks, len(weights), ctypes.byref(head.struct), token, pos, k_rows, v_rows, lengths, flags,
-        stream.data_ptr(), None if logits is None else logits.data_ptr(),
+        blocks,
+        len(weights),
+        ctypes.byref(head.struct),
+        token,
+        pos,
+        k_rows,
+        v_rows,
+        lengths,
+        flags,
+        stream.data_ptr(),
+        None if logits is None else logits.data_ptr(),
     )
     if index == -1:
         raise MemoryError("draft_row: no memory for the draft's activations")

@@ -12,6 +12,7 @@ import torch
 from lab import block_kernel, intmm
 from lab.block_kernel import KernelBlock
 from lab.decode import Decoder, decode_rows
+from lab.exit_probe import ExitProbe
 from lab.fast import layers_apart
 from lab.hooks import capture
 from lab.model import Block, KVCache, Linear
@@ -257,9 +258,8 @@ def test_a_decode_steps_rows_under_their_own_block_sets_are_one_call_with_the_bl
     """decode_rows' step of rows under different block sets (skipped, kept, exited, overwriting
     blocks), each at its own position over its own cache, is one call to lab.intmm.step_rows: the
     logits, the blocks run and every cache are bit for bit those of the blocks called one by one, each
-    on the rows that run it. In a batch with an adaptive row, which decides after each block, the
-    other rows still take the one call and the adaptive row the blocks one by one, with the same
-    bits."""
+    on the rows that run it. An adaptive row in the batch takes the call too (its check: the next
+    test)."""
     model = load_model(saved, kind)
     steps = []
     step = intmm.step_rows
@@ -279,13 +279,74 @@ def test_a_decode_steps_rows_under_their_own_block_sets_are_one_call_with_the_bl
             decoders = staggered_decoders(model, ["all", "adaptive=0.5", "skip=1"], list(range(30, 40)))
             mixed.append(decode_rows(model, decoders, fed[:3]))
         model.run_rows = block_kernel.run_rows
-    assert steps == [3, 3]  # one call a step, none without run_rows; an adaptive row stays out of it
-    assert torch.equal(mixed[0][0], mixed[1][0]) and mixed[0][1] == mixed[1][1]
+    assert steps == [3, 3]  # one call a step, the adaptive row's in it; none without run_rows
+    assert mixed[0][1] == mixed[1][1]
     (logits, blocks_run, caches), (logits_apart, blocks_apart, caches_apart) = results
     assert torch.equal(logits, logits_apart) and blocks_run == blocks_apart
     assert blocks_run[2] == [0, 1] and blocks_run[6] == []
     for (k, v, at), (k_apart, v_apart, at_apart) in zip(caches, caches_apart, strict=True):
         assert torch.equal(k, k_apart) and torch.equal(v, v_apart) and at == at_apart
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_adaptive_rows_decide_and_propagate_inside_the_one_call(saved, block_calls, kind):
+    """Adaptive rows (the cosine check and the exit probe, beside fixed rows) take the step's one call:
+    the call makes the exit check after each block and writes the keys and values of the blocks a row
+    left unrun (CALM's propagation), so over several steps every row runs the blocks the loop's
+    check picks, with the loop's logits and caches up to rounding, and no block runs on its own."""
+    model = load_model(saved, kind)
+    n, D = model.config.n_layer, model.config.n_embd
+    generator = torch.Generator().manual_seed(3)
+    model.exit_probe = ExitProbe(torch.randn(n, D, generator=generator) * 0.3, torch.zeros(n))
+    specs = [
+        "all",
+        "adaptive=0.9;min=1",
+        "adaptive=0.5;min=1;check=probe",
+        "skip=1;adaptive=0.99;min=1",
+        "exit=2",
+    ]
+    results = []
+    with rows_alone():
+        for run_rows in (block_kernel.run_rows, None):
+            model.run_rows = run_rows
+            decoders = staggered_decoders(model, specs, list(range(30, 40)))
+            calls_before = len(block_calls)
+            steps = [decode_rows(model, decoders, list(range(50 + 5 * t, 55 + 5 * t))) for t in range(6)]
+            results.append(
+                (steps, [(d.cache.k, d.cache.v) for d in decoders], len(block_calls) - calls_before)
+            )
+        model.run_rows = block_kernel.run_rows
+    (steps, caches_called, calls), (steps_apart, caches_apart, _) = results
+    assert calls == 6 * n  # a call of the n blocks per step, no block on its own
+    depths = [len(blocks) for _, blocks_run in steps for blocks in blocks_run[1:4]]
+    assert min(depths) < n and max(depths) > 1, "the test wants rows leaving early and rows going on"
+    tolerance = TOLERANCE[kind]
+    for (logits, blocks_run), (logits_apart, blocks_apart) in zip(steps, steps_apart, strict=True):
+        assert blocks_run == blocks_apart
+        torch.testing.assert_close(logits.float(), logits_apart.float(), rtol=tolerance, atol=tolerance)
+    for (k, v), (k_apart, v_apart) in zip(caches_called, caches_apart, strict=True):
+        torch.testing.assert_close(k.float(), k_apart.float(), rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(v.float(), v_apart.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_a_hooked_final_norm_keeps_adaptive_rows_in_the_loop(saved, block_calls):
+    """The final norm's hooks see each of an adaptive row's checks: with one on, that row's blocks run
+    one by one (the fixed rows still in one call), and the hook fires once per check."""
+    model = load_model(saved, "float32")
+    seen = []
+    handle = model.ln_f.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    try:
+        with rows_alone():
+            decoders = staggered_decoders(model, ["all", "adaptive=1.0;min=1"], list(range(30, 40)))
+            block_calls.clear()
+            seen.clear()
+            _, blocks_run = decode_rows(model, decoders, [50, 51])
+    finally:
+        handle.remove()
+    n = model.config.n_layer
+    assert blocks_run[1] == list(range(n))  # threshold 1.0: every block, a check after each but the last
+    assert len(block_calls) == 2 * n  # the fixed row's call, then the adaptive row's blocks one by one
+    assert len(seen) == 1 + n  # ln_f before the first check, after each of the n - 1 checks, and the read-out
 
 
 def test_caches_held_a_tensor_per_layer_run_the_blocks_one_by_one(saved, block_calls, monkeypatch):

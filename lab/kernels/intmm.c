@@ -1597,60 +1597,217 @@ int block_rows(const struct block_weights *w, int64_t B, int bf16, const void *x
   return block_rows_of(0, w, B, x, k_caches, v_caches, t_max, pos, overwrite, out);
 }
 
+/* Scratch for a block over some of a step's B rows (gathered_block): their streams in and out, their
+ * caches, lengths, positions and flags. */
+struct gather {
+  char *in, *through;
+  void **caches;
+  int64_t *lengths, *positions;
+  uint8_t *flags;
+};
+
+static int gather_alloc(struct gather *g, int64_t B, size_t row_bytes) {
+  g->in = malloc(2 * (size_t)B * row_bytes);
+  g->through = g->in == NULL ? NULL : g->in + (size_t)B * row_bytes;
+  g->caches = malloc(sizeof(void *) * (size_t)(2 * B));
+  g->lengths = malloc(sizeof(int64_t) * (size_t)(2 * B));
+  g->positions = g->lengths == NULL ? NULL : g->lengths + B;
+  g->flags = malloc((size_t)B);
+  return g->in == NULL || g->caches == NULL || g->lengths == NULL || g->flags == NULL ? -1 : 0;
+}
+
+static void gather_free(struct gather *g) {
+  free(g->in);
+  free(g->caches);
+  free(g->lengths);
+  free(g->flags);
+}
+
+/* Block i of a step over the n rows `rows` of the B rows' streams `stream` [B, D], in place, as
+ * block_rows of those rows alone computes them (caches, lengths and flags [count * B] as stack_rows
+ * takes them, pos [B]). */
+static int gathered_block(const struct block_weights *w, int64_t i, int64_t B, int bf16, const int64_t *rows,
+                          int64_t n, void *stream, void *const *k_caches, void *const *v_caches, const int64_t *t_max,
+                          const int64_t *pos, const uint8_t *overwrite, struct gather *g) {
+  if (n == 0) return 0;
+  if (n == B)
+    return block_rows(w, B, bf16, stream, k_caches + i * B, v_caches + i * B, t_max + i * B, pos,
+                      overwrite == NULL ? NULL : overwrite + i * B, stream);
+  const size_t row_bytes = (size_t)(w->n_head * w->head_dim) * (bf16 ? 2 : 4);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t b = rows[j], at = i * B + b;
+    memcpy(g->in + (size_t)j * row_bytes, (const char *)stream + (size_t)b * row_bytes, row_bytes);
+    g->caches[j] = k_caches[at], g->caches[B + j] = v_caches[at];
+    g->lengths[j] = t_max[at], g->positions[j] = pos[b];
+    g->flags[j] = overwrite != NULL && overwrite[at];
+  }
+  int status = block_rows(w, n, bf16, g->in, g->caches, g->caches + B, g->lengths, g->positions, g->flags, g->through);
+  for (int64_t j = 0; j < n && status == 0; ++j)
+    memcpy((char *)stream + (size_t)rows[j] * row_bytes, g->through + (size_t)j * row_bytes, row_bytes);
+  return status;
+}
+
+/* How an adaptive row decides to leave (lab.decode's adaptive exit): after each block from its
+ * min_blocks-th on (never after its last), the final norm's output of its stream, `read`, scores
+ * sigmoid(read . probe_weight[layer] + probe_bias[layer]) (the exit probe), or without a probe the
+ * cosine between read and the read before that block; at threshold or above it leaves. ln_weight and
+ * ln_bias (or NULL) in the activations' dtype [D]; the probe float32 [L, D] and [L]. */
+struct exit_rule {
+  const void *ln_weight, *ln_bias;
+  double eps;
+  const float *probe_weight, *probe_bias;
+  double threshold;
+  int64_t min_blocks;
+};
+
+/* read [D] float32 = the final norm of one row's stream, rounded to the activations' dtype first. */
+static void exit_read(int bf16, const struct exit_rule *rule, const void *row, int64_t D, void *normed, float *read) {
+  if (bf16) {
+    layer_norm_rows(1, row, 1, D, rule->ln_weight, rule->ln_bias, (float)rule->eps, normed);
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(read + d, widen_lanes(1, normed, d));
+  } else {
+    layer_norm_rows(0, row, 1, D, rule->ln_weight, rule->ln_bias, (float)rule->eps, read);
+  }
+}
+
+static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
+
+/* What the rule's threshold applies to after `layer`: the probe's probability, or the cosine of read
+ * and before as torch's cosine_similarity takes it (each divided by its norm, at least 1e-8, then
+ * their products summed; with bf16 activations each of those rounded to bf16, as torch's ops round). */
+static double exit_score(int bf16, const struct exit_rule *rule, int64_t layer, const float *read,
+                         const float *before, int64_t D) {
+  if (rule->probe_weight != NULL) {
+    const float *w = rule->probe_weight + layer * D;
+    __m256 lanes = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) lanes = _mm256_fmadd_ps(_mm256_loadu_ps(read + d), _mm256_loadu_ps(w + d), lanes);
+    return 1.f / (1.f + expf(-(sum_lanes(lanes) + rule->probe_bias[layer])));
+  }
+  if (bf16) { /* torch's ops each round to bf16: the norms, the quotients, their products, the sum */
+    float now = 0.f, then = 0.f, both = 0.f;
+    for (int64_t d = 0; d < D; ++d) now += read[d] * read[d], then += before[d] * before[d];
+    const float now_norm = fmaxf(round_bf16(sqrtf(now)), 1e-8f), then_norm = fmaxf(round_bf16(sqrtf(then)), 1e-8f);
+    for (int64_t d = 0; d < D; ++d)
+      both += round_bf16(round_bf16(read[d] / now_norm) * round_bf16(before[d] / then_norm));
+    return round_bf16(both);
+  }
+  __m256 now = _mm256_setzero_ps(), then = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 r = _mm256_loadu_ps(read + d), p = _mm256_loadu_ps(before + d);
+    now = _mm256_fmadd_ps(r, r, now), then = _mm256_fmadd_ps(p, p, then);
+  }
+  const __m256 now_norm = _mm256_set1_ps(fmaxf(sqrtf(sum_lanes(now)), 1e-8f));
+  const __m256 then_norm = _mm256_set1_ps(fmaxf(sqrtf(sum_lanes(then)), 1e-8f));
+  __m256 both = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8)
+    both = _mm256_fmadd_ps(_mm256_div_ps(_mm256_loadu_ps(read + d), now_norm),
+                           _mm256_div_ps(_mm256_loadu_ps(before + d), then_norm), both);
+  return sum_lanes(both);
+}
+
+/* Block w's keys and values for the n rows `rows` of stream [B, D] written at their positions without
+ * running the block: c_attn(ln_1(stream)) of each, as the block's attention stores them (CALM's state
+ * propagation for a row that left before it; lab.decode.propagate_kv). Caches as gathered_block's. */
+static int propagate_rows(const struct block_weights *w, int64_t i, int64_t B, int bf16, const int64_t *rows,
+                          int64_t n, const void *stream, void *const *k_caches, void *const *v_caches,
+                          const int64_t *t_max, const int64_t *pos, struct gather *g) {
+  if (n == 0) return 0;
+  const int64_t D = w->n_head * w->head_dim, Dh = w->head_dim;
+  const size_t width = bf16 ? 2 : 4, row_bytes = (size_t)D * width;
+  char *qkv = malloc(3 * (size_t)n * row_bytes);
+  if (qkv == NULL) return -1;
+  for (int64_t j = 0; j < n; ++j)
+    memcpy(g->through + (size_t)j * row_bytes, (const char *)stream + (size_t)rows[j] * row_bytes, row_bytes);
+  layer_norm_rows(bf16, g->through, n, D, w->ln_1_weight, w->ln_1_bias, (float)w->eps, g->in);
+  int status = linear_rows(&w->c_attn, g->in, n, bf16, qkv);
+  for (int64_t j = 0; j < n && status == 0; ++j) {
+    const int64_t at = i * B + rows[j];
+    const char *row = qkv + 3 * (size_t)j * row_bytes;
+    for (int64_t h = 0; h < w->n_head; ++h) {
+      const size_t to = (size_t)((h * t_max[at] + pos[rows[j]]) * Dh) * width, head = (size_t)Dh * width;
+      memcpy((char *)k_caches[at] + to, row + (size_t)(D + h * Dh) * width, head);
+      memcpy((char *)v_caches[at] + to, row + (size_t)(2 * D + h * Dh) * width, head);
+    }
+  }
+  free(qkv);
+  return status;
+}
+
+/* A decode step's rows in one call: out [B, D] from the stream x [B, D] through `count` blocks, block i
+ * (layer layers[i] of the model) on the rows b with runs[i * B + b] (the others' streams pass it
+ * unchanged), over caches k_caches[i * B + b], v_caches[i * B + b] ([H, t_max[i * B + b], Dh]) at pos[b],
+ * overwrite [count * B] (or NULL) per block and row, each block's rows as block_rows of them alone
+ * computes them. rules [B] (or NULL: every row fixed): an adaptive row's exit_rule (NULL for a fixed
+ * row): it leaves after a block once the rule says so, and each later block it would have run gets its
+ * keys and values from its exit state (propagate_rows). ran [B] (or NULL): the blocks each row ran.
+ * Returns as block_rows. */
+int step_rows(const struct block_weights *const *blocks, int64_t count, int64_t B, int bf16, const void *x,
+              void *const *k_caches, void *const *v_caches, const int64_t *t_max, const int64_t *pos,
+              const uint8_t *overwrite, const uint8_t *runs, const int64_t *layers,
+              const struct exit_rule *const *rules, int64_t *ran, void *out) {
+  const int64_t D = blocks[0]->n_head * blocks[0]->head_dim;
+  const size_t row_bytes = (size_t)D * (bf16 ? 2 : 4);
+  memcpy(out, x, (size_t)B * row_bytes); /* rows that run no block leave as they came */
+  struct gather g;
+  int status = gather_alloc(&g, B, row_bytes);
+  int64_t *rows = malloc(sizeof(int64_t) * (size_t)(3 * B)), *blocks_ran = rows + B, *total = rows + 2 * B;
+  uint8_t *going = malloc((size_t)B);
+  float *reads = malloc(sizeof(float) * (size_t)(2 * B * D + D)); /* [B, D] before, [B, D] now, normed */
+  if (rows == NULL || going == NULL || reads == NULL) status = -1;
+  float *before = reads, *now = reads == NULL ? NULL : reads + B * D;
+  void *normed = reads == NULL ? NULL : reads + 2 * B * D;
+  for (int64_t b = 0; b < B && status == 0; ++b) {
+    blocks_ran[b] = total[b] = 0, going[b] = 1;
+    for (int64_t i = 0; i < count; ++i) total[b] += runs[i * B + b];
+  }
+  for (int64_t i = 0; i < count && status == 0; ++i) {
+    int64_t n = 0, left = 0; /* rows that run block i; rows that left before it and would have */
+    for (int64_t b = 0; b < B; ++b)
+      if (runs[i * B + b] && !going[b]) rows[B - 1 - left++] = b;
+    status = propagate_rows(blocks[i], i, B, bf16, rows + B - left, left, out, k_caches, v_caches, t_max, pos, &g);
+    for (int64_t b = 0; b < B; ++b) {
+      if (!runs[i * B + b] || !going[b]) continue;
+      rows[n++] = b;
+      const struct exit_rule *rule = rules == NULL ? NULL : rules[b];
+      const int64_t after = blocks_ran[b] + 1; /* a cosine check after this block compares with the read before it */
+      const int checks = rule != NULL && rule->min_blocks <= after && after < total[b];
+      if (checks && rule->probe_weight == NULL && after == (rule->min_blocks > 1 ? rule->min_blocks : 1))
+        exit_read(bf16, rule, (const char *)out + (size_t)b * row_bytes, D, normed, before + b * D);
+    }
+    if (status == 0)
+      status = gathered_block(blocks[i], i, B, bf16, rows, n, out, k_caches, v_caches, t_max, pos, overwrite, &g);
+    for (int64_t j = 0; j < n && status == 0; ++j) {
+      const int64_t b = rows[j], after = ++blocks_ran[b];
+      const struct exit_rule *rule = rules == NULL ? NULL : rules[b];
+      if (rule == NULL || after < rule->min_blocks || after >= total[b]) continue;
+      float *read = now + b * D;
+      exit_read(bf16, rule, (const char *)out + (size_t)b * row_bytes, D, normed, read);
+      if (exit_score(bf16, rule, layers[i], read, before + b * D, D) >= rule->threshold)
+        going[b] = 0;
+      else
+        memcpy(before + b * D, read, sizeof(float) * (size_t)D);
+    }
+  }
+  if (ran != NULL && status == 0) memcpy(ran, blocks_ran, sizeof(int64_t) * (size_t)B);
+  gather_free(&g);
+  free(rows);
+  free(going);
+  free(reads);
+  return status;
+}
+
 /* out [B, D] from the stream x [B, D] through `count` blocks in turn, each as block_rows: blocks[i]
  * over its caches k_caches[i * B + b], v_caches[i * B + b] ([H, t_max[i * B + b], Dh]), every block at
  * the rows' positions pos [B]; overwrite [count * B] (or NULL) per block and row. One call for a run
  * of blocks (a draft's, a verification's): each block reads the stream before it writes its output,
- * so the blocks after the first run in place in out. runs [count * B] (or NULL: every row runs every
- * block): whether row b runs block i; the others' streams pass it unchanged (a decode step's rows
- * under their own block sets), and only the rows that run a block go through it, as block_rows of
- * those rows alone would take them (each row is computed on its own whatever rows share the call).
- * Returns as block_rows. */
+ * so the blocks after the first run in place in out. Returns as block_rows. */
 int stack_rows(const struct block_weights *const *blocks, int64_t count, int64_t B, int bf16, const void *x,
                void *const *k_caches, void *const *v_caches, const int64_t *t_max, const int64_t *pos,
-               const uint8_t *overwrite, const uint8_t *runs, void *out) {
-  if (runs == NULL) {
-    int status = 0;
-    for (int64_t i = 0; i < count && status == 0; ++i)
-      status = block_rows(blocks[i], B, bf16, i == 0 ? x : out, k_caches + i * B, v_caches + i * B, t_max + i * B,
-                          pos, overwrite == NULL ? NULL : overwrite + i * B, out);
-    return status;
-  }
-  const size_t row_bytes = (size_t)(blocks[0]->n_head * blocks[0]->head_dim) * (bf16 ? 2 : 4);
-  memcpy(out, x, (size_t)B * row_bytes); /* rows that run no block leave as they came */
-  /* a block's rows gathered: their streams in and out, their caches, rows, lengths, positions, flags */
-  char *gathered = malloc(2 * (size_t)B * row_bytes);
-  void **caches = malloc(sizeof(void *) * (size_t)(2 * B));
-  int64_t *numbers = malloc(sizeof(int64_t) * (size_t)(3 * B));
-  uint8_t *flags = malloc((size_t)B);
-  int status = gathered == NULL || caches == NULL || numbers == NULL || flags == NULL ? -1 : 0;
-  char *in = gathered, *through = gathered + (size_t)B * row_bytes;
-  int64_t *rows = numbers, *lengths = numbers + B, *positions = numbers + 2 * B;
-  for (int64_t i = 0; i < count && status == 0; ++i) {
-    int64_t n = 0;
-    for (int64_t b = 0; b < B; ++b)
-      if (runs[i * B + b]) rows[n++] = b;
-    if (n == B) {
-      status = block_rows(blocks[i], B, bf16, out, k_caches + i * B, v_caches + i * B, t_max + i * B, pos,
-                          overwrite == NULL ? NULL : overwrite + i * B, out);
-      continue;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t b = rows[j], at = i * B + b;
-      memcpy(in + (size_t)j * row_bytes, (const char *)out + (size_t)b * row_bytes, row_bytes);
-      caches[j] = k_caches[at], caches[B + j] = v_caches[at];
-      lengths[j] = t_max[at], positions[j] = pos[b];
-      flags[j] = overwrite != NULL && overwrite[at];
-    }
-    if (n > 0)
-      status = block_rows(blocks[i], n, bf16, in, caches, caches + B, lengths, positions, flags, through);
-    for (int64_t j = 0; j < n && status == 0; ++j)
-      memcpy((char *)out + (size_t)rows[j] * row_bytes, through + (size_t)j * row_bytes, row_bytes);
-  }
-  free(gathered);
-  free(caches);
-  free(numbers);
-  free(flags);
+               const uint8_t *overwrite, void *out) {
+  int status = 0;
+  for (int64_t i = 0; i < count && status == 0; ++i)
+    status = block_rows(blocks[i], B, bf16, i == 0 ? x : out, k_caches + i * B, v_caches + i * B, t_max + i * B,
+                        pos, overwrite == NULL ? NULL : overwrite + i * B, out);
   return status;
 }
 
@@ -1680,7 +1837,7 @@ int64_t draft_row(const struct block_weights *const *blocks, int64_t count, cons
   if (scratch == NULL) return -1;
   float *x = scratch, *translated = scratch + D, *normed = scratch + 2 * D;
   for (int64_t i = 0; i < D; ++i) x[i] = head->wte[token * D + i] + head->wpe[pos * D + i];
-  int status = stack_rows(blocks, count, 1, 0, x, k_caches, v_caches, t_max, &pos, overwrite, NULL, stream);
+  int status = stack_rows(blocks, count, 1, 0, x, k_caches, v_caches, t_max, &pos, overwrite, stream);
   if (logits == NULL) {
     free(scratch);
     return status;
