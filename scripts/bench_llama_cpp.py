@@ -170,6 +170,14 @@ def main(
         json.write_text(text)
 
 
+def over_theirs(own: dict, theirs: dict) -> dict:
+    """Each of our serving figures over llama-server's: the medians, and the time to each token."""
+    ratios = {key: own[key] / theirs[key] for key in own if isinstance(own[key], float)}
+    for k, ms in own["time_to_token_p50_ms"].items():
+        ratios[f"time_to_token_{k}"] = ms / theirs["time_to_token_p50_ms"][k]
+    return ratios
+
+
 def serve_against(
     bin_dir: Path, gguf: Path, threads: int, tokens: int, prompt_tokens: int, rounds: int, clients: int,
     requests: int, served: tuple[str, ...], json: Path | None,
@@ -191,10 +199,10 @@ def serve_against(
         "rounds": rounds, "prompt_tokens": prompt_tokens, "max_tokens": tokens,
         "load_before": load_before, "load_after": os.getloadavg(), "servers": figures,
         "ours_over_llama_server": {
-            dtype: {key: own[key] / theirs[key] for key in own if not key.endswith("_ci")}
-            for dtype, own in ours.items()
+            dtype: over_theirs(own, theirs) for dtype, own in ours.items()
         },
         "ours_tpot_over_itl": {dtype: own["tpot_p50_ms"] / own["itl_p50_ms"] for dtype, own in ours.items()},
+        "theirs_tpot_over_itl": theirs["tpot_p50_ms"] / theirs["itl_p50_ms"],
     }  # fmt: skip
     for name, figure in figures.items():
         low, high = figure["requests_per_s_ci"]
@@ -204,6 +212,8 @@ def serve_against(
             f"ITL {figure['itl_p50_ms']:.1f} ms  lone {figure['lone_e2e_p50_ms']:.0f} ms",
             file=sys.stderr,
         )
+        seen = "  ".join(f"{k}: {ms:.0f}" for k, ms in figure["time_to_token_p50_ms"].items())
+        print(f"{'':>18}  time to token k, p50 ms: {seen}", file=sys.stderr)
     text = dumps(results, indent=2)
     print(text)
     if json:

@@ -16,6 +16,7 @@ import random
 import statistics
 import subprocess
 import time
+from itertools import accumulate
 from json import loads
 from pathlib import Path
 
@@ -94,11 +95,19 @@ async def closed_loop(url: str, clients: int, requests: int, prompt_tokens: int,
     return {"requests_per_s": len(replies) / wall, "replies": replies, "lone": lone}
 
 
+TOKENS_SEEN = (1, 2, 4, 8, 16, 32)
+"""The tokens whose arrival ``summary`` reports (the k-th token's time from the request's start)."""
+
+
 def summary(rounds: list[dict]) -> dict:
-    """Medians over every round's requests, with intervals of requests/s over the rounds."""
+    """Medians over every round's requests, with intervals of requests/s over the rounds. Beside TPOT
+    and ITL, the median time to the k-th token of a request for each k of ``TOKENS_SEEN`` it has: where
+    a server charges a prefill's wait (to the prompts' first tokens, or to the tokens after them)
+    moves TPOT against ITL, while the time to each token says what a client sees."""
     replies = [r for one in rounds for r in one["replies"]]
     rates = [one["requests_per_s"] for one in rounds]
     tpot = [statistics.mean(r["gaps_s"]) for r in replies if r["gaps_s"]]
+    arrivals = [list(accumulate(r["gaps_s"], initial=r["ttft_s"])) for r in replies]  # the k-th token's time
     return {
         "requests_per_s": statistics.median(rates),
         "requests_per_s_ci": list(interval(rates)),
@@ -106,6 +115,11 @@ def summary(rounds: list[dict]) -> dict:
         "tpot_p50_ms": 1e3 * statistics.median(tpot),
         "itl_p50_ms": 1e3 * statistics.median(g for r in replies for g in r["gaps_s"]),
         "lone_e2e_p50_ms": 1e3 * statistics.median(r["e2e_s"] for one in rounds for r in one["lone"]),
+        "time_to_token_p50_ms": {
+            k: 1e3 * statistics.median(times[k - 1] for times in arrivals)
+            for k in TOKENS_SEEN
+            if all(len(times) >= k for times in arrivals)
+        },
     }
 
 
