@@ -36,6 +36,7 @@ from lab.errors import UserError
 from lab.exit_probe import FILE as EXIT_PROBE_FILE
 from lab.exit_probe import load_exit_probe, save_exit_probe
 from lab.float_kernels import use_float_kernels, uses_float_kernels
+from lab.huge_pages import hold_in_huge_pages
 from lab.model import GPT
 from lab.quantize import QUANTIZED_DTYPES, WEIGHT_DTYPES, QuantizedLinear, quantize
 
@@ -461,6 +462,7 @@ def load_model(
     products (``lab.float_kernels``), and every model's decode steps through its blocks in one call
     each, or their attention alone (``lab.block_kernel``): the same parameters; training and prompts
     still take torch's.
+    On the CPU the weights lie in transparent huge pages where Linux gives them (``lab.huge_pages``).
     False keeps torch's products and attention throughout (a baseline; int8 and int4 on torch's
     weight-only kernels, ``lab.quantize``).
     """
@@ -480,6 +482,8 @@ def load_model(
     from lab.lens.home import attach_tuned_lens  # here: lab.lens.home finds a lens by lab.weights' paths
 
     attach_tuned_lens(spec, model)  # a tuned lens fitted to it, for lens=tuned block sets (or None)
+    if torch.device(device).type == "cpu":
+        hold_in_huge_pages(model)  # a step streams every weight: 2 MiB pages, not a page walk per 4 KiB
     return model
 
 
