@@ -1750,12 +1750,13 @@ int step_rows(const struct block_weights *const *blocks, int64_t count, int64_t 
   memcpy(out, x, (size_t)B * row_bytes); /* rows that run no block leave as they came */
   struct gather g;
   int status = gather_alloc(&g, B, row_bytes);
-  int64_t *rows = malloc(sizeof(int64_t) * (size_t)(3 * B)), *blocks_ran = rows + B, *total = rows + 2 * B;
+  int64_t *numbers = malloc(sizeof(int64_t) * (size_t)(3 * B)); /* rows, blocks_ran, total: [B] each */
   uint8_t *going = malloc((size_t)B);
-  float *reads = malloc(sizeof(float) * (size_t)(2 * B * D + D)); /* [B, D] before, [B, D] now, normed */
-  if (rows == NULL || going == NULL || reads == NULL) status = -1;
-  float *before = reads, *now = reads == NULL ? NULL : reads + B * D;
-  void *normed = reads == NULL ? NULL : reads + 2 * B * D;
+  float *reads = malloc(sizeof(float) * (size_t)((B + 2) * D)); /* before [B, D], read [D], normed [D] */
+  if (numbers == NULL || going == NULL || reads == NULL) status = -1;
+  int64_t *rows = numbers, *blocks_ran = numbers + B, *total = numbers + 2 * B;
+  float *before = reads, *read = reads + B * D;
+  void *normed = reads + (B + 1) * D;
   for (int64_t b = 0; b < B && status == 0; ++b) {
     blocks_ran[b] = total[b] = 0, going[b] = 1;
     for (int64_t i = 0; i < count; ++i) total[b] += runs[i * B + b];
@@ -1769,7 +1770,8 @@ int step_rows(const struct block_weights *const *blocks, int64_t count, int64_t 
       if (!runs[i * B + b] || !going[b]) continue;
       rows[n++] = b;
       const struct exit_rule *rule = rules == NULL ? NULL : rules[b];
-      const int64_t after = blocks_ran[b] + 1; /* a cosine check after this block compares with the read before it */
+      /* the row's first cosine check comes after this block: the read it compares with, before it */
+      const int64_t after = blocks_ran[b] + 1;
       const int checks = rule != NULL && rule->min_blocks <= after && after < total[b];
       if (checks && rule->probe_weight == NULL && after == (rule->min_blocks > 1 ? rule->min_blocks : 1))
         exit_read(bf16, rule, (const char *)out + (size_t)b * row_bytes, D, normed, before + b * D);
@@ -1780,7 +1782,6 @@ int step_rows(const struct block_weights *const *blocks, int64_t count, int64_t 
       const int64_t b = rows[j], after = ++blocks_ran[b];
       const struct exit_rule *rule = rules == NULL ? NULL : rules[b];
       if (rule == NULL || after < rule->min_blocks || after >= total[b]) continue;
-      float *read = now + b * D;
       exit_read(bf16, rule, (const char *)out + (size_t)b * row_bytes, D, normed, read);
       if (exit_score(bf16, rule, layers[i], read, before + b * D, D) >= rule->threshold)
         going[b] = 0;
@@ -1790,7 +1791,7 @@ int step_rows(const struct block_weights *const *blocks, int64_t count, int64_t 
   }
   if (ran != NULL && status == 0) memcpy(ran, blocks_ran, sizeof(int64_t) * (size_t)B);
   gather_free(&g);
-  free(rows);
+  free(numbers);
   free(going);
   free(reads);
   return status;
