@@ -72,7 +72,7 @@ def hold_in_huge_pages(model: nn.Module) -> int:
                 tensor.data = moved
             offset += sizes[address]
     moved_bytes = sum(storages[address].nbytes() for address in shared)
-    del storages, shared
+    del storages, shared, old  # the old storages go now, before the heap is trimmed
     _return_freed_memory()
     return moved_bytes
 
