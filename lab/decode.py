@@ -240,6 +240,8 @@ def _decode_together(
                 break
     read_before: list[torch.Tensor | None] = [None] * B  # ln_f before the block just run, once checking
     for i, block in enumerate(model.blocks):
+        if not any(going):  # every row done: in the one call, or exited
+            break
         rows = [b for b in range(B) if going[b] and i in decoders[b].runs]
         if not rows:
             continue
