@@ -668,18 +668,9 @@ def draft_row(
     blocks, _, k_rows, v_rows, lengths, flags = arguments
     stream, logits = torch.empty(D), torch.empty(head.n) if read else None
     index = _function("draft_row")(
-        blocks,
-        len(weights),
-        ctypes.byref(head.struct),
-        token,
-        pos,
-        k_rows,
-        v_rows,
-        lengths,
-        flags,
-        stream.data_ptr(),
-        None if logits is None else logits.data_ptr(),
-    )
+        blocks, len(weights), ctypes.byref(head.struct), token, pos, k_rows, v_rows, lengths, flags,
+        stream.data_ptr(), None if logits is None else logits.data_ptr(),
+    )  # fmt: skip
     if index == -1:
         raise MemoryError("draft_row: no memory for the draft's activations")
     if index < 0:

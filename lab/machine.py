@@ -34,6 +34,7 @@ def device_named(choice: str, dtype: str = "float32") -> str:
         raise UserError(f"--device cuda: torch {torch.__version__} ({build}) sees no CUDA device")
     return "cuda:0"
 
+
 VECTOR_UNITS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 """The x86 flags that decide torch's CPU kernels: fp32 at AVX2 or AVX-512 width, bf16 in hardware."""
 
