@@ -113,12 +113,12 @@ def _held_modules(block: Block) -> tuple[nn.Module, ...]:
 
 def _addresses(modules: tuple[nn.Module, ...]) -> list[int]:
     """Where the modules' parameters and buffers lie: a parameter's data swapped (``.to()``) moves."""
-    addresses = []
-    for module in modules:
-        for tensors in (module._parameters, module._buffers):
-            for tensor in tensors.values():
-                addresses.append(0 if tensor is None else tensor.data_ptr())
-    return addresses
+    return _tensor_addresses([d for module in modules for d in (module._parameters, module._buffers)])
+
+
+def _tensor_addresses(dicts: list[dict[str, torch.Tensor | None]]) -> list[int]:
+    """Where the tensors of these ``_parameters`` and ``_buffers`` dicts lie (0: None)."""
+    return [0 if tensor is None else tensor.data_ptr() for tensors in dicts for tensor in tensors.values()]
 
 
 def _not_held() -> None:
@@ -133,7 +133,8 @@ class _Weights:
     def __init__(self, block: Block):
         self.modules = _held_modules(block)
         self.addresses = _addresses(self.modules)
-        self.hookable = tuple(block.modules())
+        hooks = [(module._forward_hooks, module._forward_pre_hooks) for module in block.modules()]
+        self.hook_dicts = tuple(d for pair in hooks for d in pair)  # any non-empty: the modules' forward
         self.weights: intmm.BlockWeights | None = None
         self.floats = False  # float products: one row, rows alone, or a sequence's run (KernelBlock)
         products = [_product(linear) for linear in self.modules[:4]]
@@ -205,17 +206,18 @@ class KernelBlock(Block):
         if torch.is_grad_enabled() and (x.requires_grad or self.ln_1.weight.requires_grad):
             return None  # the kernels have no backward
         held = self.held()
-        weights = held.weights
-        if weights is None or x.dtype is not weights.dtype:
+        if held.weights is None or not _call_takes(x, rows, sequence, held.floats, held.weights.dtype):
             return None
-        if held.floats and rows > (PROMPT_RUN if sequence else 1) and not taking_rows_alone():
-            return None  # torch's matrix-matrix products and attention, as lab.float_kernels has them
-        if _global_forward_hooks or _global_forward_pre_hooks:
-            return None
-        for module in held.hookable:  # a loop, not any(): a dozen calls a step
-            if module._forward_hooks or module._forward_pre_hooks:
-                return None
-        return weights
+        return None if any(held.hook_dicts) else held.weights
+
+
+def _call_takes(x: torch.Tensor, rows: int, sequence: bool, floats: bool, dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` (``floats``: float products) take ``rows`` rows like x in one call
+    (``sequence``: tokens of one sequence), as far as the call and no block decides it."""
+    if x.dtype is not dtype or _global_forward_hooks or _global_forward_pre_hooks:
+        return False
+    # longer float runs: torch's matrix-matrix products and attention, as lab.float_kernels has them
+    return not floats or rows <= (PROMPT_RUN if sequence else 1) or taking_rows_alone()
 
 
 def _stack_weights(
@@ -224,6 +226,15 @@ def _stack_weights(
     """Each block's weights for one call over ``rows`` rows like x (``sequence``: tokens of one sequence;
     else a decode step's rows, one token of each), where every block of ``layers`` is a ``KernelBlock``
     that takes them (``KernelBlock.forward``'s rule); else None, as for no block at all."""
+    key = tuple(layers)
+    stacks = model.__dict__.setdefault("_stacks", _Stacks())
+    stack = stacks.get(key)
+    if stack is not None and stack.current(model) and not torch.is_grad_enabled():
+        if x.device.type != "cpu" or torch.compiler.is_compiling() or stack.training():
+            return None
+        if not _call_takes(x, rows, sequence, stack.floats, stack.dtype):
+            return None
+        return None if any(stack.hook_dicts) else stack.weights
     weights = []
     for i in layers:
         block = model.blocks[i]
@@ -231,7 +242,61 @@ def _stack_weights(
         if held is None:
             return None
         weights.append(held)
+    if weights:
+        stacks.keep(key, _Stack(model, key))
     return weights or None
+
+
+class _Stack:
+    """The ``_Weights`` of a run of ``KernelBlock``s (``layers``), checked at once: a decode step asks for
+    the same run every step, and the blocks' checks one by one were a visible share of its time.
+    ``current`` and the rest of ``_stack_weights``' fast path make ``KernelBlock._kernel_weights``'s
+    checks of every block, flattened."""
+
+    def __init__(self, model: GPT, layers: tuple[int, ...]):
+        self.layers = layers
+        self.blocks = [model.blocks[i] for i in layers]
+        helds = [block.__dict__["_held"] for block in self.blocks]
+        self.weights = [held.weights for held in helds]
+        self.modules = [module for held in helds for module in held.modules]
+        # a module's dicts stay while the module does: current() checks the modules, then these
+        self.tensor_dicts = [d for module in self.modules for d in (module._parameters, module._buffers)]
+        self.addresses = _tensor_addresses(self.tensor_dicts)
+        self.hook_dicts = tuple(d for held in helds for d in held.hook_dicts)
+        self.floats = any(held.floats for held in helds)
+        self.dtype = self.weights[0].dtype  # every block's: each was checked against the same x
+
+    def __reduce__(self):
+        return _not_held, ()
+
+    def current(self, model: GPT) -> bool:
+        """Whether the model still has these blocks, each of them a ``KernelBlock`` with the modules and
+        tensors its weights were built from (``_Weights.current``)."""
+        blocks = model.blocks._modules
+        for i, block in zip(self.layers, self.blocks, strict=True):
+            if blocks.get(str(i)) is not block or type(block) is not KernelBlock:
+                return False
+        modules = [module for block in self.blocks for module in _held_modules(block)]
+        if any(module is not held for module, held in zip(modules, self.modules, strict=True)):
+            return False
+        return _tensor_addresses(self.tensor_dicts) == self.addresses
+
+    def training(self) -> bool:
+        return any(block.training for block in self.blocks)
+
+
+class _Stacks(dict):
+    """A model's ``_Stack`` per run of blocks (a decode step's, a draft's, a verification's), a few."""
+
+    LIMIT = 8
+
+    def keep(self, key: tuple[int, ...], stack: _Stack) -> None:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        self[key] = stack
+
+    def __reduce__(self):
+        return _Stacks, ()
 
 
 def run_stack(

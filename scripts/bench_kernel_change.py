@@ -6,16 +6,16 @@
     python scripts/bench_kernel_change.py --before /tmp/before.c --rows '[1]' --decode-rounds 9
 
 Both versions are built (``lab.intmm``'s flags, cached by their digest) and loaded side by side. For
-each weight kind (int4, int8 weight-only; bf16, f32) and row count, one GPT-2 small block's four
-products (c_attn 2304 x 768, c_proj 768 x 768, c_fc 3072 x 768, its c_proj 768 x 3072), bf16 rows in
-(float32 for f32, as the models feed them), are timed under each version in turn, ``--calls`` times
-each: load and drift fall on both alike. Reported: the medians (ms for the four products), after /
-before with the 95% bootstrap interval of the per-call ratio, and whether the two versions' outputs
-are bit for bit equal (a change meant to keep the sums, or one meant to change their order; bf16
-outputs can round two orders' sums to the same value). With ``--decode-rounds N``, also batch-1 greedy
-decoding of ``gpt2-random`` in each kind's dtype (32 tokens after a 32-token prompt, ms/token, as
-``bench_llama_cpp`` times ours), the versions in turn for N rounds: the whole step, not the products
-alone.
+each weight kind (int4, int8 weight-only; bf16, f32; the integer products w4a8, w8a8) and row count, one
+GPT-2 small block's four products (c_attn 2304 x 768, c_proj 768 x 768, c_fc 3072 x 768, its c_proj 768
+x 3072), bf16 rows in (float32 for f32, as the models feed them), are timed under each version in turn,
+``--calls`` times each: load and drift fall on both alike. Reported: the medians (ms for the four
+products), after / before with the 95% bootstrap interval of the per-call ratio, and whether the two
+versions' outputs are bit for bit equal (a change meant to keep the sums, or one meant to change their
+order; bf16 outputs can round two orders' sums to the same value). With ``--decode-rounds N``, also
+batch-1 greedy decoding of ``gpt2-random`` in each kind's dtype (32 tokens after a 32-token prompt,
+ms/token, as ``bench_llama_cpp`` times ours), the versions in turn for N rounds: the whole step, not the
+products alone.
 """
 
 from __future__ import annotations
@@ -37,22 +37,26 @@ from lab.weights import load_model
 
 SHAPES = ((2304, 768), (768, 768), (3072, 768), (768, 3072))
 """GPT-2 small's block: (outputs, inputs) of each weight."""
-KINDS = ("int4", "int8", "bf16", "f32")
+KINDS = ("int4", "int8", "bf16", "f32", "w4a8", "w8a8")
 ROWS = (1, 4, 19, 64)
-DTYPES = {"int4": "int4", "int8": "int8", "bf16": "bfloat16", "f32": "float32"}
+DTYPES = {"bf16": "bfloat16", "f32": "float32"} | {kind: kind for kind in ("int4", "int8", "w4a8", "w8a8")}
 """The model dtype whose products each kind is."""
 
 
 def product(kind: str, n: int, k: int):
     """lab.intmm's product of ``kind`` on random weights [n, k] as lab.quantize stores them."""
     weight = torch.randn(n, k) * 0.05
-    if kind == "int4":
+    if kind in ("int4", "w4a8"):
         packed = intmm.w4a8_pack(*quantize_groups_int4(weight, 64))
-        return lambda x: intmm.int4_matmul(x, *packed, None, n)
+        matmul = intmm.int4_matmul if kind == "int4" else intmm.w4a8_matmul
+        return lambda x: matmul(x, *packed, None, n)
     if kind == "int8":
         values, scales = quantize_rows_int8(weight)
         scales = scales.to(torch.bfloat16)
         return lambda x: intmm.int8_matmul(x, values, scales)
+    if kind == "w8a8":
+        values, scales = quantize_rows_int8(weight)
+        return lambda x: intmm.w8a8_matmul(x, values, scales)
     if kind == "bf16":
         weight = weight.to(torch.bfloat16)
         return lambda x: intmm.bf16_matmul(x, weight)
@@ -85,7 +89,7 @@ def main(
 
     Args:
         before: The other version of lab/kernels/intmm.c (this checkout's is "after").
-        kinds: Weight kinds, of int4, int8, bf16, f32.
+        kinds: Weight kinds, of int4, int8, bf16, f32, w4a8, w8a8.
         rows: Input rows per product.
         threads: torch's threads, which the kernels' OpenMP loops run in.
         calls: Calls of each version per kind and row count (more rows: a third as many, at least 5).

@@ -201,6 +201,61 @@ def test_changed_weights_are_read_again_and_copies_work(saved):
     assert logits.dtype == torch.bfloat16
 
 
+def test_a_run_of_blocks_reused_across_steps_notices_every_change(saved, block_calls):
+    """The step's run of blocks, checked at once and reused from step to step, is read again after each
+    change between two steps of one decoder: new data in a parameter, a replaced module, a block back
+    to its modules, a hook, training mode, the model in another dtype. Each next step gives what a
+    model built with that change gives, and runs its blocks in the call exactly when that model does."""
+    model = load_model(saved, "float32")
+    L = model.config.n_layer
+    decoder = Decoder(model, None, max_len=16)
+    decoder.prefill([1, 2, 3])
+
+    def next_step_matches(token: int, calls: int) -> None:
+        block_calls.clear()
+        fresh = copy.deepcopy(model)  # built again from the changed model: nothing held
+        reference = Decoder(fresh, None, max_len=16)
+        reference.cache.k.copy_(decoder.cache.k), reference.cache.v.copy_(decoder.cache.v)
+        reference.cache.length = decoder.position
+        with torch.inference_mode():
+            expected = reference.step(token)[0]
+        block_calls.clear()
+        with torch.inference_mode():
+            logits = decoder.step(token)[0]
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+        assert len(block_calls) == calls
+
+    next_step_matches(4, L)
+    next_step_matches(5, L)  # the run of blocks held from the step before
+    with torch.no_grad():
+        model.blocks[1].mlp.c_proj.weight.data = model.blocks[1].mlp.c_proj.weight.data * 3  # a new tensor
+    next_step_matches(6, L)
+    replaced = Linear(64, 256)
+    replaced.load_state_dict(model.blocks[2].mlp.c_fc.state_dict())
+    with torch.no_grad():
+        replaced.weight.mul_(-1)
+    model.blocks[2].mlp.c_fc = replaced  # a Linear the loader did not give: the block's modules
+    next_step_matches(7, L - 1)
+    model.blocks[2].mlp.c_fc = type(model.blocks[0].mlp.c_fc)(64, 256)
+    model.blocks[2].mlp.c_fc.load_state_dict(replaced.state_dict())
+    next_step_matches(8, L)
+    model.blocks[0].__class__ = Block
+    next_step_matches(9, L - 1)
+    model.blocks[0].__class__ = KernelBlock
+    handle = model.blocks[1].attn.c_proj.register_forward_pre_hook(lambda *args: None)
+    next_step_matches(10, L - 1)
+    handle.remove()
+    next_step_matches(11, L)
+    model.blocks[2].train()
+    next_step_matches(12, L - 1)
+    model.blocks[2].eval()
+    before = decoder.step(13)[0]
+    model.to(torch.bfloat16)
+    decoder.cache.k, decoder.cache.v = decoder.cache.k.bfloat16(), decoder.cache.v.bfloat16()
+    next_step_matches(14, L)
+    assert before.dtype == torch.float32 and decoder.step(15)[0].dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_prompt_runs_in_one_call_a_row_per_token_and_chunks_change_no_bit(saved, block_calls, kind):
     """A prompt's tokens are rows of one call sharing the sequence's cache, each attending causally
