@@ -69,9 +69,18 @@
  * non-temporal hint: weights read once then do not push out of the second- and third-level caches
  * what the step reads again (the keys and values, the activations, between calls the Python objects
  * of the step), which made every dtype's decode step faster on an AVX2-only EPYC ("Weights that pass
- * through the caches", docs/inference.md). The AVX-512 versions keep the plain hint: not measured
- * there. A prompt's later row groups read the weights from the first-level cache either way. */
+ * through the caches", docs/inference.md). A prompt's products keep the plain hint: their later
+ * row groups read the same weights again. The AVX-512 versions keep it too: not measured there. */
 #define PREFETCH_BYTES 8192
+/* The AVX2 kernels' request for the weights' line at ``line`` (PREFETCH_BYTES ahead) in a product of M
+ * input rows: non-temporal for a decode step's few rows, which read each weight once. */
+static inline __attribute__((always_inline)) void prefetch_weights_avx2(const char *line, int64_t M) {
+  if (M <= NARROW_ROWS)
+    _mm_prefetch(line, _MM_HINT_NTA);
+  else
+    _mm_prefetch(line, _MM_HINT_T0);
+}
+
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 /* The instruction set the products use: 0 AVX2, 1 AVX-512 with VNNI; -1 until first asked. Read and
@@ -223,7 +232,7 @@ static inline __attribute__((always_inline)) void w4a8_cols(const int ROWS, int6
     for (int r = 0; r < ROWS; ++r) dot[r] = _mm256_setzero_si256();
     for (int i = 0; i < 8; ++i) {
       const uint8_t *run = block + g * 512 + i * 64;
-      if (m0 == 0) _mm_prefetch((const char *)(run + PREFETCH_BYTES), _MM_HINT_NTA);
+      if (m0 == 0) prefetch_weights_avx2((const char *)(run + PREFETCH_BYTES), p->M);
       const __m256i bytes = _mm256_loadu_si256((const __m256i *)run);
       const __m256i first = _mm256_and_si256(bytes, low_nibbles);                         /* inputs 8i.. */
       const __m256i second = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);  /* 8i + 4.. */
@@ -257,7 +266,7 @@ static inline __attribute__((always_inline)) void w8a8_rows(const int ROWS, int6
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < G; ++g) {
     const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + g * GROUP));      /* inputs 0..31 */
-    if (m0 == 0) _mm_prefetch((const char *)(row + g * GROUP + PREFETCH_BYTES), _MM_HINT_NTA);
+    if (m0 == 0) prefetch_weights_avx2((const char *)(row + g * GROUP + PREFETCH_BYTES), p->M);
     const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + g * GROUP + 32)); /* 32..63 */
     const __m256i abs0 = _mm256_sign_epi8(w0, w0), abs1 = _mm256_sign_epi8(w1, w1);
     for (int r = 0; r < ROWS; ++r) {
@@ -576,13 +585,13 @@ static inline __attribute__((always_inline)) void float_tile_avx2(const int BF16
   if (!BF16) {
     for (int64_t k = 0; k < full; k += 8) {
       if (ROWS == 1 && COLS == 1 && k % 16 == 0) /* one line of float32 weights per 16 inputs */
-        _mm_prefetch((const char *)((const float *)p->weights + n0 * K + k) + PREFETCH_BYTES, _MM_HINT_NTA);
+        prefetch_weights_avx2((const char *)((const float *)p->weights + n0 * K + k) + PREFETCH_BYTES, p->M);
       float_step_avx2(BF16, ROWS, COLS, k, n0, x, p, even);
     }
   } else if (ROWS * COLS <= 4) {
     for (int64_t k = 0; k < full; k += 16) {
       if (ROWS == 1 && COLS == 1 && k % 32 == 0) /* one line of bf16 weights per 32 inputs */
-        _mm_prefetch((const char *)((const uint16_t *)p->weights + n0 * K + k) + PREFETCH_BYTES, _MM_HINT_NTA);
+        prefetch_weights_avx2((const char *)((const uint16_t *)p->weights + n0 * K + k) + PREFETCH_BYTES, p->M);
       float_step_avx2(BF16, ROWS, COLS, k, n0, x, p, even);
       if (k + 8 < full) float_step_avx2(BF16, ROWS, COLS, k + 8, n0, x, p, odd);
     }
@@ -719,7 +728,7 @@ static inline __attribute__((always_inline)) void int8_rows_avx2(const int ROWS,
     for (int j = 0; j < INT8_AVX2_CHAINS; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < full; k += INT8_AVX2_CHAINS * 8) {
     if (ROWS == 1 && k % 64 < INT8_AVX2_CHAINS * 8) /* one line of int8 weights per 64 inputs */
-      _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_NTA);
+      prefetch_weights_avx2((const char *)(w + k) + PREFETCH_BYTES, p->M);
     for (int j = 0; j < INT8_AVX2_CHAINS && k + 8 * j < full; ++j) {
       const __m256 weight = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k + 8 * j))));
       for (int r = 0; r < ROWS; ++r) acc[r][j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(x + r * K + k + 8 * j), acc[r][j]);
@@ -907,7 +916,7 @@ static inline __attribute__((always_inline)) void int4_halves(const int HALVES, 
       for (int h = 0; h < HALVES; ++h) dot[r][h][0] = dot[r][h][1] = _mm256_setzero_ps();
     for (int i = 0; i < 8; ++i) {
       const uint8_t *run = block + g * 512 + i * 64;
-      if (m0 == 0) _mm_prefetch((const char *)(run + PREFETCH_BYTES), _MM_HINT_NTA);
+      if (m0 == 0) prefetch_weights_avx2((const char *)(run + PREFETCH_BYTES), p->M);
       __m256i bytes[2];
       for (int h = 0; h < HALVES; ++h) bytes[h] = _mm256_loadu_si256((const __m256i *)(run + 32 * h));
       for (int j = 0; j < 4; ++j)
