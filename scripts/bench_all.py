@@ -14,8 +14,8 @@ Runs, one after another, each benchmark with settings shortened to fit a few min
 - speculate: ``scripts/bench_speculate.py`` (self-speculative decoding against full depth, batch 1) on
   each builtin model that exists (``blocklab builtin``, ``blocklab builtin --recipe early-exit``);
 - peers, with ``--llama-cpp DIR`` (a llama.cpp checkout built with cmake; skipped without it):
-  ``scripts/bench_llama_cpp.py``, batch-1 decoding against llama-bench and serving against
-  llama-server, on the same weights and cores.
+  ``scripts/bench_llama_cpp.py``, batch-1 decoding against llama-bench (2 threads, then 1) and
+  serving against llama-server, on the same weights and cores.
 
 Each benchmark reports ratios against a baseline measured in its own run, so the machine's speed
 cancels; the load average before and after is recorded, because on a shared CPU it moves the numbers.
@@ -207,12 +207,15 @@ def render(runs: dict, meta: dict) -> str:
 
 
 def peer_runs(python: str, llama_cpp: Path, build: Path | None, gguf_dir: Path) -> dict:
-    """``scripts/bench_llama_cpp.py``'s two comparisons, shortened."""
+    """``scripts/bench_llama_cpp.py``'s comparisons, shortened: batch 1 at 2 threads and at 1, serving."""
     where = ["--llama-cpp", str(llama_cpp), "--gguf-dir", str(gguf_dir)]
     where += ["--build", str(build)] if build else []
     bench = [python, "scripts/bench_llama_cpp.py", *where]
     return {
         "peers decode": run_json("peers decode", [*bench, "--rounds", "5"]),
+        "peers decode, 1 thread": run_json(
+            "peers decode, 1 thread", [*bench, "--rounds", "3", "--threads", "1"]
+        ),
         "peers serving": run_json(
             "peers serving", [*bench, "--serving", "--rounds", "2", "--tokens", "32", "--prompt-tokens", "64"]
         ),
@@ -225,17 +228,20 @@ def peer_rows(runs: dict) -> list[tuple[str, str, str]]:
         return []
     from bench_llama_cpp import PAIRS, SERVED  # a sibling script: scripts/ is on the path when this one runs
 
-    decode, serving = runs["peers decode"]["results"], runs["peers serving"]["results"]
-    ms, ratio = decode["ms_per_token"], decode["ours_over_llama_cpp"]
+    serving = runs["peers serving"]["results"]
     rows = []
-    for kind, dtype in PAIRS:
-        pair = f"{ms[f'ours {dtype}']['median']:.1f} vs {ms[f'llama.cpp {kind}']['median']:.1f}"
-        key = f"{dtype} / {kind}"
-        rows.append((
-            f"peers, batch 1, {decode['threads']} threads: ours {key}; compiled",
-            f"{ratio[key]:.2f} ({pair}); {ratio[key + ' compiled']:.2f}",
-            "<= 1.0",
-        ))  # fmt: skip
+    for run in ("peers decode", "peers decode, 1 thread"):
+        decode = runs[run]["results"]
+        ms, ratio = decode["ms_per_token"], decode["ours_over_llama_cpp"]
+        for kind, dtype in PAIRS:
+            pair = f"{ms[f'ours {dtype}']['median']:.1f} vs {ms[f'llama.cpp {kind}']['median']:.1f}"
+            key = f"{dtype} / {kind}"
+            threads = f"{decode['threads']} thread" + ("s" if decode["threads"] > 1 else "")
+            rows.append((
+                f"peers, batch 1, {threads}: ours {key}; compiled",
+                f"{ratio[key]:.2f} ({pair}); {ratio[key + ' compiled']:.2f}",
+                "<= 1.0",
+            ))  # fmt: skip
     theirs = serving["servers"]["llama-server q4_0"]
     for dtype in SERVED:
         ours, over = serving["servers"][f"blocklab {dtype}"], serving["ours_over_llama_server"][dtype]
