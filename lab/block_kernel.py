@@ -225,7 +225,8 @@ def _stack_weights(
 ) -> list[intmm.BlockWeights] | None:
     """Each block's weights for one call over ``rows`` rows like x (``sequence``: tokens of one sequence;
     else a decode step's rows, one token of each), where every block of ``layers`` is a ``KernelBlock``
-    that takes them (``KernelBlock.forward``'s rule); else None, as for no block at all."""
+    that takes them (``KernelBlock.forward``'s rule); else None, as for no block at all. A run built
+    before is checked at once and reused while nothing it was built from changed (``_Stack``)."""
     key = tuple(layers)
     stacks = model.__dict__.setdefault("_stacks", _Stacks())
     stack = stacks.get(key)
