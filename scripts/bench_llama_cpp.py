@@ -97,6 +97,8 @@ def main(
     clients: int = 4,
     requests: int = 8,
     served: tuple[str, ...] = SERVED,
+    dtypes: tuple[str, ...] = DTYPES,
+    compiled: bool = True,
     json: Path | None = None,
 ) -> None:
     """Measure, print the table and the JSON, and write the JSON to ``json`` if given.
@@ -114,6 +116,8 @@ def main(
         requests: Serving: requests per client per round.
         served: Serving: our servers, each a dtype and any flags of ``blocklab serve``
             (``'int4 --prefill-chunk 16'``).
+        dtypes: Batch 1: our dtypes to time, each against its llama.cpp type (``PAIRS``).
+        compiled: Batch 1: also each dtype through lab.fast's compiled step.
         json: Also write the results here.
     """
     torch.set_num_threads(threads)
@@ -125,25 +129,30 @@ def main(
         return serve_against(bin_dir, files["q4_0"], *load, served, json)
     bench = bin_dir / "llama-bench"
     prompt = torch.randint(0, 50257, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    ours = {dtype: load_model("gpt2-random", dtype) for dtype in DTYPES}
-    compiled = {dtype: fast.accelerate(load_model("gpt2-random", dtype)) for dtype in DTYPES}
-    configs = {
-        f"llama.cpp {kind}": lambda f=gguf: llama_ms_per_token(bench, f, tokens, prompt_tokens, threads)
-        for kind, gguf in files.items()
-    }
-    for dtype, model in ours.items():
-        configs[f"ours {dtype}"] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
-    for dtype, model in compiled.items():
-        configs[f"ours {dtype} compiled"] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
+    pairs = [(kind, dtype) for kind, dtype in PAIRS if dtype in dtypes]
+    ways = ("", " compiled") if compiled else ("",)
+
+    def theirs(kind: str):
+        return lambda: llama_ms_per_token(bench, files[kind], tokens, prompt_tokens, threads)
+
+    configs = {f"llama.cpp {kind}": theirs(kind) for kind in dict.fromkeys(kind for kind, _ in pairs)}
+    for dtype in dict.fromkeys(dtype for _, dtype in pairs):
+        for way in ways:
+            model = load_model("gpt2-random", dtype)
+            model = fast.accelerate(model) if way else model
+            configs[f"ours {dtype}{way}"] = lambda m=model: greedy_ms_per_token(m, BlockSet(), prompt, tokens)
     load_before = os.getloadavg()
     times = interleaved(configs, rounds)  # the warm-up compiles
     ms = {name: {"median": statistics.median(v), "ci": list(interval(v))} for name, v in times.items()}
-    ratios = {}
-    for kind, dtype in PAIRS:
-        for way in ("", " compiled"):
-            ratios[f"{dtype} / {kind}{way}"] = (
-                ms[f"ours {dtype}{way}"]["median"] / ms[f"llama.cpp {kind}"]["median"]
-            )
+    ratios, ratio_intervals = {}, {}
+    for kind, dtype in pairs:
+        for way in ways:
+            ours_ms, theirs_ms = times[f"ours {dtype}{way}"], times[f"llama.cpp {kind}"]
+            key = f"{dtype} / {kind}{way}"
+            ratios[key] = statistics.median(ours_ms) / statistics.median(theirs_ms)
+            # the rounds' own ratios (each round times both): their 95% interval
+            per_round = [o / t for o, t in zip(ours_ms, theirs_ms, strict=True)]
+            ratio_intervals[key] = list(interval(per_round))
     results = {
         "machine": cpu_description(),
         "python": platform.python_version(),
@@ -157,13 +166,15 @@ def main(
         "load_after": os.getloadavg(),
         "ms_per_token": ms,
         "ours_over_llama_cpp": ratios,
+        "ours_over_llama_cpp_ci": ratio_intervals,
     }
     for name, m in ms.items():
         print(
             f"{name:>24}  {m['median']:7.2f} ms/token  [{m['ci'][0]:.2f}, {m['ci'][1]:.2f}]", file=sys.stderr
         )
     for kind, ratio in ratios.items():
-        print(f"{'ours ' + kind:>32}  {ratio:.2f}", file=sys.stderr)
+        low, high = ratio_intervals[kind]
+        print(f"{'ours ' + kind:>32}  {ratio:.2f}  [{low:.2f}, {high:.2f}]", file=sys.stderr)
     text = dumps(results, indent=2)
     print(text)
     if json:
