@@ -227,15 +227,17 @@ def _stack_weights(
     else a decode step's rows, one token of each), where every block of ``layers`` is a ``KernelBlock``
     that takes them (``KernelBlock.forward``'s rule); else None, as for no block at all. A run built
     before is checked at once and reused while nothing it was built from changed (``_Stack``)."""
-    key = tuple(layers)
-    stacks = model.__dict__.setdefault("_stacks", _Stacks())
-    stack = stacks.get(key)
-    if stack is not None and stack.current(model) and not torch.is_grad_enabled():
-        if x.device.type != "cpu" or torch.compiler.is_compiling() or stack.training():
-            return None
-        if not _call_takes(x, rows, sequence, stack.floats, stack.dtype):
-            return None
-        return None if any(stack.hook_dicts) else stack.weights
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    key, reusable = tuple(layers), not torch.is_grad_enabled()  # with gradients: each block's own checks
+    stacks = model.__dict__.get("_stacks")
+    stack = None if stacks is None or not reusable else stacks.get(key)
+    if stack is not None:
+        if stack.current(model):
+            if stack.training() or not _call_takes(x, rows, sequence, stack.floats, stack.dtype):
+                return None
+            return None if any(stack.hook_dicts) else stack.weights
+        stacks.clear()  # something changed: the other runs' weights are likely stale too, and held alive
     weights = []
     for i in layers:
         block = model.blocks[i]
@@ -243,8 +245,8 @@ def _stack_weights(
         if held is None:
             return None
         weights.append(held)
-    if weights:
-        stacks.keep(key, _Stack(model, key))
+    if weights and reusable:
+        model.__dict__.setdefault("_stacks", _Stacks()).keep(key, _Stack(model, key))
     return weights or None
 
 

@@ -230,7 +230,7 @@ def peer_rows(runs: dict) -> list[tuple[str, str, str]]:
 
     serving = runs["peers serving"]["results"]
     rows = []
-    for run in ("peers decode", "peers decode, 1 thread"):
+    for run in ("peers decode", "peers decode, 1 thread"):  # every pair, eager and compiled: peer_runs'
         decode = runs[run]["results"]
         ms, ratio = decode["ms_per_token"], decode["ours_over_llama_cpp"]
         for kind, dtype in PAIRS:

@@ -38,6 +38,7 @@ from peer_serving import LlamaServer, compare
 from lab import fast, flags
 from lab.blocks import BlockSet
 from lab.decode import greedy_ms_per_token
+from lab.errors import UserError
 from lab.machine import cpu_description
 from lab.measure import interleaved, interval
 from lab.threads import USER_WAIT_POLICY
@@ -129,6 +130,8 @@ def main(
         return serve_against(bin_dir, files["q4_0"], *load, served, json)
     bench = bin_dir / "llama-bench"
     prompt = torch.randint(0, 50257, (prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    if unknown := set(dtypes) - set(DTYPES):
+        raise UserError(f"--dtypes: {sorted(unknown)} not of {list(DTYPES)}")
     pairs = [(kind, dtype) for kind, dtype in PAIRS if dtype in dtypes]
     ways = ("", " compiled") if compiled else ("",)
 
@@ -149,10 +152,9 @@ def main(
         for way in ways:
             ours_ms, theirs_ms = times[f"ours {dtype}{way}"], times[f"llama.cpp {kind}"]
             key = f"{dtype} / {kind}{way}"
-            ratios[key] = statistics.median(ours_ms) / statistics.median(theirs_ms)
-            # the rounds' own ratios (each round times both): their 95% interval
+            # each round times both: the median of the rounds' own ratios, with its 95% interval
             per_round = [o / t for o, t in zip(ours_ms, theirs_ms, strict=True)]
-            ratio_intervals[key] = list(interval(per_round))
+            ratios[key], ratio_intervals[key] = statistics.median(per_round), list(interval(per_round))
     results = {
         "machine": cpu_description(),
         "python": platform.python_version(),
@@ -162,6 +164,8 @@ def main(
         "tokens": tokens,
         "prompt_tokens": prompt_tokens,
         "rounds": rounds,
+        "dtypes": list(dtypes),
+        "compiled": compiled,
         "load_before": load_before,
         "load_after": os.getloadavg(),
         "ms_per_token": ms,

@@ -203,57 +203,72 @@ def test_changed_weights_are_read_again_and_copies_work(saved):
 
 def test_a_run_of_blocks_reused_across_steps_notices_every_change(saved, block_calls):
     """The step's run of blocks, checked at once and reused from step to step, is read again after each
-    change between two steps of one decoder: new data in a parameter, a replaced module, a block back
-    to its modules, a hook, training mode, the model in another dtype. Each next step gives what a
-    model built with that change gives, and runs its blocks in the call exactly when that model does."""
+    change between two steps of one decoder: new data in a parameter, a replaced module, a replaced
+    block, a block back to its modules, a hook, training mode, the model in another dtype. Each next
+    step gives what a model built with that change gives, runs its blocks in the call exactly when that
+    model does, and reuses the run held from the step before only when nothing changed."""
     model = load_model(saved, "float32")
     L = model.config.n_layer
-    decoder = Decoder(model, None, max_len=16)
-    decoder.prefill([1, 2, 3])
+    every_block = tuple(range(L))
+    decoder = Decoder(model, None, max_len=24)
+    decoder.prefill([1, 2, 3])  # its run of blocks is the steps' too
 
-    def next_step_matches(token: int, calls: int) -> None:
+    def next_step_matches(token: int, calls: int, run: str) -> None:
         block_calls.clear()
         fresh = copy.deepcopy(model)  # built again from the changed model: nothing held
-        reference = Decoder(fresh, None, max_len=16)
+        assert not fresh.__dict__.get("_stacks")
+        reference = Decoder(fresh, None, max_len=24)
         reference.cache.k.copy_(decoder.cache.k), reference.cache.v.copy_(decoder.cache.v)
         reference.cache.length = decoder.position
         with torch.inference_mode():
             expected = reference.step(token)[0]
         block_calls.clear()
+        held = model.__dict__.get("_stacks", {}).get(every_block)
         with torch.inference_mode():
             logits = decoder.step(token)[0]
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
         assert len(block_calls) == calls
+        now = model.__dict__["_stacks"].get(every_block)
+        seen = {"reused": now is held is not None, "rebuilt": now not in (held, None), "none": now is None}
+        assert seen[run]
 
-    next_step_matches(4, L)
-    next_step_matches(5, L)  # the run of blocks held from the step before
+    next_step_matches(4, L, "reused")
+    next_step_matches(5, L, "reused")
     with torch.no_grad():
         model.blocks[1].mlp.c_proj.weight.data = model.blocks[1].mlp.c_proj.weight.data * 3  # a new tensor
-    next_step_matches(6, L)
+    next_step_matches(6, L, "rebuilt")
     replaced = Linear(64, 256)
     replaced.load_state_dict(model.blocks[2].mlp.c_fc.state_dict())
     with torch.no_grad():
         replaced.weight.mul_(-1)
     model.blocks[2].mlp.c_fc = replaced  # a Linear the loader did not give: the block's modules
-    next_step_matches(7, L - 1)
+    next_step_matches(7, L - 1, "none")
     model.blocks[2].mlp.c_fc = type(model.blocks[0].mlp.c_fc)(64, 256)
     model.blocks[2].mlp.c_fc.load_state_dict(replaced.state_dict())
-    next_step_matches(8, L)
-    model.blocks[0].__class__ = Block
-    next_step_matches(9, L - 1)
-    model.blocks[0].__class__ = KernelBlock
+    next_step_matches(8, L, "rebuilt")
+    model.blocks[1] = copy.deepcopy(model.blocks[1])
+    with torch.no_grad():
+        model.blocks[1].ln_2.weight.mul_(0.5)
+    next_step_matches(9, L, "rebuilt")
     handle = model.blocks[1].attn.c_proj.register_forward_pre_hook(lambda *args: None)
-    next_step_matches(10, L - 1)
+    next_step_matches(10, L - 1, "reused")  # held, refused while hooked
     handle.remove()
-    next_step_matches(11, L)
+    next_step_matches(11, L, "reused")
+    model.blocks[0].__class__ = Block
+    next_step_matches(12, L - 1, "none")
+    model.blocks[0].__class__ = KernelBlock
     model.blocks[2].train()
-    next_step_matches(12, L - 1)
+    next_step_matches(13, L - 1, "none")
     model.blocks[2].eval()
-    before = decoder.step(13)[0]
+    next_step_matches(14, L, "rebuilt")
+    model.blocks[2].train()
+    next_step_matches(15, L - 1, "reused")  # held, refused while training
+    model.blocks[2].eval()
+    before = decoder.step(16)[0]
     model.to(torch.bfloat16)
     decoder.cache.k, decoder.cache.v = decoder.cache.k.bfloat16(), decoder.cache.v.bfloat16()
-    next_step_matches(14, L)
-    assert before.dtype == torch.float32 and decoder.step(15)[0].dtype == torch.bfloat16
+    next_step_matches(17, L, "rebuilt")
+    assert before.dtype == torch.float32 and decoder.step(18)[0].dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -73,7 +73,8 @@
  * row groups read the same weights again. The AVX-512 versions keep it too: not measured there. */
 #define PREFETCH_BYTES 8192
 /* The AVX2 kernels' request for the weights' line at ``line`` (PREFETCH_BYTES ahead) in a product of M
- * input rows: non-temporal for a decode step's few rows, which read each weight once. */
+ * input rows: non-temporal for a decode step's few rows, which read each weight once. (The float and
+ * int8 rows ask only at one row; the integer and int4 products at any M, for their first row group.) */
 static inline __attribute__((always_inline)) void prefetch_weights_avx2(const char *line, int64_t M) {
   if (M <= NARROW_ROWS)
     _mm_prefetch(line, _MM_HINT_NTA);
