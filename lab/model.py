@@ -432,8 +432,10 @@ class GPT(nn.Module):
         if not sparse:
             return logits if self.logit_bias is None else logits + self.logit_bias.to(logits.dtype)
         bias = logits.new_zeros(self.config.vocab_size) if self.logit_bias is None else self.logit_bias  # [V]
+        read_bias = bias.index_select(0, self.read_rows).to(logits.dtype)  # [V_read]
         full = bias.to(logits.dtype).expand(*logits.shape[:-1], -1).clone()  # [B, T, V]: skipped rows' bias
-        return full.index_copy_(-1, self.read_rows, logits + bias[self.read_rows].to(logits.dtype))
+        # scatter_ along the last dim: index_copy_ there took longer (docs/inference.md)
+        return full.scatter_(-1, self.read_rows.expand(*logits.shape[:-1], -1), logits + read_bias)
 
     def unembed_rows(self, x: torch.Tensor, table: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """The read-out over some tokens only: the final norm, then their rows ``table`` [N, D] of the
