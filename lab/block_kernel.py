@@ -264,13 +264,10 @@ class _Stack:
         self.modules = [module for held in helds for module in held.modules]
         # a module's dicts stay while the module does: current() checks the modules, then these
         self.tensor_dicts = [d for module in self.modules for d in (module._parameters, module._buffers)]
-        self.addresses = _tensor_addresses(self.tensor_dicts)
+        self.addresses = [address for held in helds for address in held.addresses]  # each held just checked
         self.hook_dicts = tuple(d for held in helds for d in held.hook_dicts)
         self.floats = any(held.floats for held in helds)
         self.dtype = self.weights[0].dtype  # every block's: each was checked against the same x
-
-    def __reduce__(self):
-        return _not_held, ()
 
     def current(self, model: GPT) -> bool:
         """Whether the model still has these blocks, each of them a ``KernelBlock`` with the modules and
