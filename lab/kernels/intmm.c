@@ -683,8 +683,8 @@ static void f32_avx2(const struct float_product *p) { FLOAT_PRODUCT(f32_tile_avx
  * fused multiply-adds (AVX2: 3), so that a row is not held up by their latency; each output's sum is
  * the same sequence of operations whichever rows share the call (batch invariance). A decode step's
  * int8 row on AVX2 asks for its weights PREFETCH_BYTES ahead, a line per 64 inputs, as the float
- * rows do: the hardware prefetcher alone left its step 1.2x slower on an AVX2-only EPYC
- * (docs/inference.md). */
+ * rows do: the hardware prefetcher alone left its step slower on an AVX2-only EPYC (docs/inference.md
+ * has the figures). */
 
 #define CHAINS 4
 /* AVX2's 16 registers hold 3 chains for each of 4 rows, and the weights' vector */
