@@ -15,9 +15,10 @@ with the same parameters, state dict and hook points as the modules they replace
   the pre-LN block (GPT-2's) with products lab.intmm computes (float32 and bf16 weights, int8, int4,
   w4a8, w8a8), each intermediate rounded where torch's ops round it. Each row is computed on its own,
   so a row's result is the one it gets alone (batch invariance), and a prompt gets the same whatever
-  chunks it is fed in (float weights: chunks the call takes). Float products take it at one row, or
-  any number under ``lab.rows.rows_alone``, as ``lab.float_kernels`` does, and a sequence's tokens up to
-  ``PROMPT_RUN`` (a longer float run keeps torch's matrix-matrix products). int4 and int8 where
+  chunks it is fed in (float weights: chunks the call takes). Float products take it at up to
+  ``lab.float_kernels.SHORT_RUN`` rows, or any number under ``lab.rows.rows_alone``, as
+  ``lab.float_kernels`` does, and a sequence's tokens up to ``PROMPT_RUN`` (a longer float run keeps
+  torch's matrix-matrix products). int4 and int8 where
   torch's kernels compute them (``QuantizedLinear.kernel``), other norms, training, gradients,
   ``torch.compile``, and any step while a module of the block is hooked keep the modules' forward,
   which computes the same up to the last bits of a LayerNorm's and a GELU's arithmetic.
@@ -46,7 +47,7 @@ from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_h
 
 from lab import intmm
 from lab.blocks import BlockSet
-from lab.float_kernels import KernelLinear
+from lab.float_kernels import SHORT_RUN, KernelLinear
 from lab.model import GPT, Block, CausalSelfAttention, KVCache, LayerCache
 from lab.quantize import QuantizedLinear
 from lab.rows import taking_rows_alone
@@ -217,7 +218,7 @@ def _call_takes(x: torch.Tensor, rows: int, sequence: bool, floats: bool, dtype:
     if x.dtype is not dtype or _global_forward_hooks or _global_forward_pre_hooks:
         return False
     # longer float runs: torch's matrix-matrix products and attention, as lab.float_kernels has them
-    return not floats or rows <= (PROMPT_RUN if sequence else 1) or taking_rows_alone()
+    return not floats or rows <= (PROMPT_RUN if sequence else SHORT_RUN) or taking_rows_alone()
 
 
 def _stack_weights(

@@ -14,6 +14,7 @@ from lab.block_kernel import KernelBlock
 from lab.decode import Decoder, decode_rows
 from lab.exit_probe import ExitProbe
 from lab.fast import layers_apart
+from lab.float_kernels import SHORT_RUN
 from lab.hooks import capture
 from lab.model import Block, KVCache, Linear
 from lab.rows import rows_alone
@@ -104,16 +105,22 @@ def test_decoding_through_it_matches_the_modules_under_every_block_set(saved, bl
     torch.testing.assert_close(fast.float(), slow.float(), rtol=tolerance, atol=tolerance)
 
 
-def test_several_float_rows_share_torchs_product_unless_rows_alone(saved, block_calls):
-    """Float products take one row, or rows alone, as lab.float_kernels has them; several rows
-    sharing torch's matrix-matrix product keep the modules; w4a8's take any number."""
-    for kind, expected in (("float32", 0), ("w4a8", 1)):
+def test_many_float_rows_share_torchs_product_unless_rows_alone(saved, block_calls):
+    """Float products take up to SHORT_RUN rows, or any number alone, as lab.float_kernels has them;
+    more rows sharing torch's matrix-matrix product keep the modules; w4a8's take any number."""
+    many = SHORT_RUN + 1
+    for kind, rows, expected in (("float32", 2, 1), ("float32", many, 0), ("w4a8", many, 1)):
         block_calls.clear()
         model = load_model(saved, kind)
         dtype = model.wte.weight.dtype
+        x, rows_caches = torch.zeros(rows, 1, 64, dtype=dtype), caches(dtype, [4] * rows)
+        positions = [0] * rows
         with torch.inference_mode():
-            model.blocks[0](torch.zeros(2, 1, 64, dtype=dtype), caches(dtype, [4, 4]), [0, 1])
-        assert len(block_calls) == expected, kind
+            model.blocks[0](x, rows_caches, positions)
+            assert len(block_calls) == expected, (kind, rows)
+            with rows_alone():
+                model.blocks[0](x, rows_caches, positions)
+        assert len(block_calls) == expected + 1, (kind, rows)
 
 
 def test_hooks_prompts_gradients_and_training_keep_the_modules(saved, block_calls, monkeypatch):
