@@ -73,8 +73,9 @@
  * row groups read the same weights again. The AVX-512 versions keep it too: not measured there. */
 #define PREFETCH_BYTES 8192
 /* The AVX2 kernels' request for the weights' line at ``line`` (PREFETCH_BYTES ahead) in a product of M
- * input rows: non-temporal for a decode step's few rows, which read each weight once. (The float and
- * int8 rows ask only at one row; the integer and int4 products at any M, for their first row group.) */
+ * input rows: non-temporal for a decode step's few rows, which read each weight once. (The float rows
+ * ask where one output takes all of a decode step's rows; int8's at one row, as asking for 4 rows'
+ * made those slower; the integer and int4 products at any M, for their first row group.) */
 static inline __attribute__((always_inline)) void prefetch_weights_avx2(const char *line, int64_t M) {
   if (M <= NARROW_ROWS)
     _mm_prefetch(line, _MM_HINT_NTA);
@@ -585,13 +586,13 @@ static inline __attribute__((always_inline)) void float_tile_avx2(const int BF16
     for (int c = 0; c < COLS; ++c) even[r][c] = odd[r][c] = _mm256_setzero_ps();
   if (!BF16) {
     for (int64_t k = 0; k < full; k += 8) {
-      if (ROWS == 1 && COLS == 1 && k % 16 == 0) /* one line of float32 weights per 16 inputs */
+      if (COLS == 1 && m0 == 0 && k % 16 == 0) /* one line of float32 weights per 16 inputs */
         prefetch_weights_avx2((const char *)((const float *)p->weights + n0 * K + k) + PREFETCH_BYTES, p->M);
       float_step_avx2(BF16, ROWS, COLS, k, n0, x, p, even);
     }
   } else if (ROWS * COLS <= 4) {
     for (int64_t k = 0; k < full; k += 16) {
-      if (ROWS == 1 && COLS == 1 && k % 32 == 0) /* one line of bf16 weights per 32 inputs */
+      if (COLS == 1 && m0 == 0 && k % 32 == 0) /* one line of bf16 weights per 32 inputs */
         prefetch_weights_avx2((const char *)((const uint16_t *)p->weights + n0 * K + k) + PREFETCH_BYTES, p->M);
       float_step_avx2(BF16, ROWS, COLS, k, n0, x, p, even);
       if (k + 8 < full) float_step_avx2(BF16, ROWS, COLS, k + 8, n0, x, p, odd);
