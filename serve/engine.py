@@ -23,8 +23,9 @@ so a request decodes here exactly as ``lab.generate.generate`` decodes it alone.
 
 With ``batch_invariant`` (the default) the decode step runs under ``lab.rows.rows_alone``: every
 row's logits are bit for bit those it gets alone, so a seeded request draws the same tokens whether
-it ran alone or among any others; prefill is per request and needs nothing more. Off, rows share
-matrix-matrix products: faster with many rows, equal up to rounding.
+it ran alone or among any others; prefill is per request and needs nothing more. Off, the rows of a
+step of more than ``lab.float_kernels.SHORT_RUN`` share matrix-matrix products: faster with many rows,
+equal up to rounding.
 
 A step that raises is run again row by row, so one bad request fails alone. Nothing here knows
 about HTTP or LitServe: ``tick`` returns the events of the jobs that have news (built as
