@@ -939,13 +939,13 @@ static inline __attribute__((always_inline)) void int4_halves(const int HALVES, 
 }
 
 /* Outputs n0 .. n0 + 15 (COLS 16, block n0 / 16) of input rows m0 .. m0 + ROWS - 1: both halves of each
- * run together for up to 2 rows (a decode step's row reads each 64-byte run once, whole), one half
- * after the other for more (their sums side by side would not fit in AVX2's 16 registers). Each
- * output's sums are the same operations either way. */
+ * run together for one row (a decode step's row reads each 64-byte run once, whole), one half after
+ * the other for more (their sums side by side do not fit in AVX2's 16 registers: two rows' spilled).
+ * Each output's sums are the same operations either way. */
 static inline __attribute__((always_inline)) void int4_cols(const int ROWS, const int COLS, int64_t m0, int64_t n0,
                                                             const struct float_product *p) {
   (void)COLS;
-  if (ROWS <= 2) {
+  if (ROWS == 1) {
     int4_halves(2, ROWS, m0, n0, p);
   } else {
     int4_halves(1, ROWS, m0, n0, p);
