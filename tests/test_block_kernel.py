@@ -123,6 +123,21 @@ def test_many_float_rows_share_torchs_product_unless_rows_alone(saved, block_cal
         assert len(block_calls) == expected + 1, (kind, rows)
 
 
+def test_a_float_step_of_a_few_rows_computes_what_each_row_computes_alone(saved, block_calls):
+    """Without rows_alone, a float32 step of a few rows (under SHORT_RUN) takes the one call, each
+    row bit for bit what it gets under rows_alone; past SHORT_RUN the modules' shared products."""
+    model = load_model(saved, "float32")
+    specs, prompt, fed = ["all", "skip=1", "exit=2"], list(range(30, 40)), [7, 8, 9]
+    with torch.inference_mode():
+        decoders = staggered_decoders(model, specs, prompt)
+        block_calls.clear()  # the prefills'
+        shared, shared_blocks = decode_rows(model, decoders, fed)
+        assert len(block_calls) == model.config.n_layer  # each block once, for the rows that run it
+        with rows_alone():
+            alone, alone_blocks = decode_rows(model, staggered_decoders(model, specs, prompt), fed)
+    assert torch.equal(shared, alone) and shared_blocks == alone_blocks
+
+
 def test_hooks_prompts_gradients_and_training_keep_the_modules(saved, block_calls, monkeypatch):
     """A block with any module hooked (a hook point, a norm, through lab.hooks or torch's own
     hooks, a global hook) runs its modules, so the hooks see what they always saw; the other blocks
