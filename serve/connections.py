@@ -46,8 +46,9 @@ writes until its response is complete, the connection closes, or the event loop'
 stream's chunks leave as they are made).
 
 Past ``max_connections`` open connections (uvicorn's ``limit_concurrency``, done here so the answer
-can be the API's own), an idle keep-alive connection is closed to make room, as nginx reuses them;
-with none idle, the request is answered by ``overloaded`` (an ASGI app: the API's 503 with
+can be the API's own), an idle keep-alive connection (one that has answered a request and waits for
+the next; not a new one yet to send its first) is closed to make room, as nginx reuses them; with
+none idle, the request is answered by ``overloaded`` (an ASGI app: the API's 503 with
 Retry-After) and its connection closed.
 
 This is the one place that relies on uvicorn's protocol internals (``HttpToolsProtocol``, its
@@ -317,10 +318,12 @@ class DeadlineProtocol(HttpToolsProtocol):
         return len(open_) > self.max_connections and not self._close_an_idle_connection()
 
     def _close_an_idle_connection(self) -> bool:
-        """Close one idle keep-alive connection to make room for this request; False if none is idle."""
+        """Close one idle keep-alive connection to make room for this request; False if none is idle.
+        A connection that has not begun a request is not one: its first request may be in the socket
+        unread, and closing over unread bytes resets the connection instead of answering it."""
         for other in self.connections:
-            idle = isinstance(other, DeadlineProtocol) and other.phase() == "idle"
-            if other is not self and idle and not other.transport.is_closing():
+            kept_alive = isinstance(other, DeadlineProtocol) and other.began > 0 and other.phase() == "idle"
+            if other is not self and kept_alive and not other.transport.is_closing():
                 other.timeout_keep_alive_handler()
                 return True
         return False

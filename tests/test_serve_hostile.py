@@ -161,6 +161,28 @@ def test_idle_sockets_past_the_connection_limit_are_refused_then_closed(server):
             sock.close()
 
 
+def test_requests_on_new_connections_past_the_limit_get_an_answer_each(server):
+    """Connections opened together past --max-connections, each then sending a whole request: every
+    one is answered, 200 or 503, none reset. A connection that has sent nothing yet is not an idle
+    keep-alive one to close for room: closing it, its request still unread, reset it."""
+    crowd = [connect(server) for _ in range(MAX_CONNECTIONS + 8)]
+    try:
+        for sock in crowd:
+            sock.sendall(WHOLE_POST)
+        statuses = []
+        for sock in crowd:
+            sock.settimeout(30)
+            try:
+                statuses.append(sock.recv(12)[9:12].decode() or "closed")  # "HTTP/1.1 200"
+            except ConnectionResetError:
+                statuses.append("reset")
+        assert set(statuses) <= {"200", "503"}, statuses
+        assert "503" in statuses  # past the limit
+    finally:
+        for sock in crowd:
+            sock.close()
+
+
 # -- Every byte ordering: a request that arrives behind another, or split anywhere ------------------
 
 TARGET_S = 1.0
