@@ -62,7 +62,10 @@ class Step:
     logprob: float
     """Log-probability (nats) of ``token`` under the model's (unscaled, full-vocabulary) distribution."""
     text: str = ""
-    """The text this token completes (empty mid-character), when the generation detokenizes."""
+    """The text this token releases, when the generation detokenizes: what it completes (empty
+    mid-character), less any end that may begin a stop string (released by a later step, or never if
+    the stop string comes); the steps' texts join to the generation's ``text`` (less a character, or
+    a held end, still open when end-of-text comes, which has no step)."""
     finish_reason: FinishReason | None = None
     """On the last step only. A generation that ends on end-of-text has no step for it."""
 
@@ -144,6 +147,7 @@ class Generation:
         self.detokenize = detokenize or bool(sampling.stop)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._text = ""
+        self._released = 0  # characters of _text the steps have released
         self._stopped_at: int | None = None  # where a stop string begins in _text, once one appears
         self._run: Iterator[Step] | None = None  # running alone (iterated)
 
@@ -185,23 +189,29 @@ class Generation:
             return None
         self.tokens.append(token)
         self.last_token = token
-        text = self._detokenized(token) if self.detokenize else ""
-        if self._stopped_at is not None:
-            self.finish_reason = "stop"
-        elif len(self.tokens) == self.budget:
+        if len(self.tokens) == self.budget:
             self.finish_reason = "length"
+        text = self._release(token) if self.detokenize else ""  # a stop string: finish_reason "stop"
         return Step(token, blocks_run, logprob, text, self.finish_reason)
 
-    def _detokenized(self, token: int) -> str:
-        """The text ``token`` completes; notes where a stop string appears first."""
+    def _release(self, token: int) -> str:
+        """Add the text ``token`` completes (noting where a stop string appears first); what it
+        releases: up to the stop string once one appears, everything at the last step, else all but
+        the longest end that begins a stop string (the next tokens may complete it)."""
         piece = self._utf8.decode(tokens.decode_token_bytes(token))
         self._text += piece
-        stop = self.sampling.stop
+        stop, end = self.sampling.stop, len(self._text)
         if stop:
             tail_from = max(0, len(self._text) - len(piece) - max(map(len, stop)) + 1)  # only new matches
             found = [at for at in (self._text.find(s, tail_from) for s in stop) if at >= 0]
-            self._stopped_at = min(found) if found else None
-        return piece
+            if found:
+                self._stopped_at = end = min(found)
+                self.finish_reason = "stop"
+            elif self.finish_reason is None:
+                starts = [k for s in stop for k in range(1, len(s)) if self._text.endswith(s[:k])]
+                end -= max(starts, default=0)
+        released, self._released = self._text[self._released : end], max(self._released, end)
+        return released
 
     def step(self) -> list[Step]:
         """One decode step alone (``decode_rows`` with one row), or a speculation round."""

@@ -277,7 +277,8 @@ class _Route:
         self, translation: _Translation, responses: list[dict], echo: bool, top: int, client: Request
     ) -> list[dict]:
         """OpenAI's logprobs of each choice: the prompt's positions when ``echo`` (the first has no
-        logprob), then the generated tokens', with the most likely token at each when ``top``."""
+        logprob), then the generated tokens' up to the end of the text (not those of a stop string,
+        which the text leaves out), with the most likely token at each when ``top``."""
         scores = await self._scores(translation, responses, client)  # top tokens: admission checked it
         results = []
         for prompt, response, score in zip(translation.prompts, responses, scores, strict=True):
@@ -289,9 +290,12 @@ class _Route:
             first = 0 if echo else len(prompt_ids)
             # Offsets are characters from the start of the prompt, echoed or not, as OpenAI's are.
             offset = 0 if echo else len(_prompt_text(prompt))
+            text_end = len(_prompt_text(prompt)) + len(response["text"])  # in the same characters
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             for position in range(first, len(ids)):
+                if position >= len(prompt_ids) and offset >= text_end:
+                    break  # a stop string's tokens, past the text returned
                 token, loss = ids[position], losses[position]
                 result["tokens"].append(_token_string(token))
                 result["token_logprobs"].append(None if loss is None else -loss)

@@ -181,7 +181,37 @@ def test_a_stop_string_ends_generation_and_the_text_before_it():
     steps = list(stopped)
     assert stopped.finish_reason == "stop" and steps[-1].finish_reason == "stop"
     assert stopped.text == free.text[: free.text.find(stop)] and len(steps) < 12
-    assert "".join(step.text for step in steps).startswith(stopped.text)
+    assert "".join(step.text for step in steps) == stopped.text  # the stream holds no stop string
+
+
+def test_text_that_may_begin_a_stop_string_is_held_until_it_does_not():
+    """A stop string across two tokens: the first token's step holds back the character it would
+    begin, and the stream ends before the stop string; the same character before a stop string that
+    never comes is released by the next step, and the stream joins to the whole text."""
+    from lab import tokens
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=tokens.VOCAB_SIZE, block_size=48)).eval()
+    prompt = tokens.encode("The quick brown fox")
+    pieces = [step.text for step in generate(model, prompt, 12, SamplingParams(stop=("\x00",)))]
+    whole = "".join(pieces)
+
+    def boundary(i: int) -> bool:  # a stop string across pieces i and i + 1 would first appear there
+        across, before = pieces[i][-1:] + pieces[i + 1][:1], "".join(pieces[: i + 1])
+        first_there = whole.find(across) == len(before) - 1
+        return len(across) == 2 and first_there and not before[:-1].endswith(across[0])
+
+    i = next(i for i in range(len(pieces) - 1) if boundary(i))
+    across = pieces[i][-1] + pieces[i + 1][0]
+    stopped = generate(model, prompt, 12, SamplingParams(stop=(across,)))
+    steps = list(stopped)
+    assert steps[i].text == pieces[i][:-1] and stopped.finish_reason == "stop"
+    assert "".join(step.text for step in steps) == stopped.text == whole[: whole.find(across)]
+    never = generate(model, prompt, 12, SamplingParams(stop=(pieces[i][-1] + "\x00",)))
+    steps = list(never)
+    assert steps[i].text == pieces[i][:-1] and steps[i + 1].text.startswith(pieces[i][-1])  # released
+    assert "".join(step.text for step in steps) == never.text == whole
+    assert never.finish_reason == "length"
 
 
 def test_a_deadline_stops_generation(model):

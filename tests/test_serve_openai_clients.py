@@ -127,6 +127,33 @@ def test_lm_eval_generate_until_stops_before_its_stop_strings(client):
     assert not any(text in plain["text"] for text in LM_EVAL_GENERATE["stop"])
 
 
+def test_streams_and_logprobs_stop_where_the_text_does(client):
+    """With a stop string, every route's stream joins to the text answered without streaming, which
+    ends before it; no chunk carries it. Logprobs list the generated tokens up to the text's end."""
+    greedy = LM_EVAL_GENERATE | {"stop": None, "max_tokens": 16, "ignore_eos": True}
+    free = client.post("/v1/completions", json=greedy).json()["choices"][0]["text"]
+    stop = free[len(free) // 2 : len(free) // 2 + 3]
+    body = greedy | {"stop": [stop]}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert whole["text"] == free[: free.index(stop)] and whole["finish_reason"] == "stop"
+    streamed = sse(client.post("/v1/completions", json=body | {"stream": True}))
+    assert "".join(chunk["choices"][0]["text"] for chunk in streamed) == whole["text"]
+    chat = {"messages": [{"role": "user", "content": "Q: why?"}], "model": MODEL, "max_tokens": 16,
+            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    chat_free = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    chat_stop = chat_free[len(chat_free) // 2 : len(chat_free) // 2 + 3]
+    deltas = sse(client.post("/v1/chat/completions", json=chat | {"stop": chat_stop, "stream": True}))
+    joined = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in deltas)
+    assert joined == chat_free[: chat_free.index(chat_stop)]
+    native = {"prompt_ids": LM_EVAL_GENERATE["prompt"][0], "max_new_tokens": 16, "temperature": 0.0,
+              "ignore_eos": True, "stop": [stop], "stream": True}  # fmt: skip
+    events = [json.loads(line) for line in client.post("/predict", json=native).text.splitlines()]
+    assert "".join(e["text"] for e in events if e["event"] == "token") == events[-1]["response"]["text"]
+    scored = client.post("/v1/completions", json=body | {"logprobs": 1, "echo": True}).json()["choices"][0]
+    assert all(offset < len(scored["text"]) for offset in scored["logprobs"]["text_offset"])
+    assert scored["text"].endswith(whole["text"])
+
+
 def lm_eval_parse_logprobs(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
     """lm-eval 0.4.13's ``LocalCompletionsAPI.parse_logprobs``, as it reads the answer."""
     res = []
