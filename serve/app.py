@@ -156,9 +156,13 @@ class ServeConfig:
         ):
             if not 0 < getattr(self, name) < float("inf"):
                 raise UserError(f"--{name.replace('_', '-')} must be a positive number of seconds")
-        for name in ("max_connections", "backlog", "max_in_flight"):
+        for name in ("max_connections", "backlog", "max_in_flight", "workers", "max_payload_bytes"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.threads is not None and self.threads < 1:
+            raise UserError("--threads must be at least 1 (or left out: chosen from the free cores)")
+        if not 0 <= self.port <= 65535:  # the OS takes the port modulo 2**16: another one than asked
+            raise UserError(f"--port must be in 0..65535 (0: any free port), got {self.port}")
         if not 1 <= self.prompts_per_request <= self.max_in_flight:
             raise UserError(
                 f"--max-prompts-per-request must be in 1..--max-in-flight ({self.max_in_flight}), "

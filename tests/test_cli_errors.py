@@ -135,6 +135,19 @@ def test_serve_with_a_missing_model_never_starts(capsys, files):
     assert f"{MISSING}: no such file or directory" in one_line_error(capsys, ["serve", "--model", MISSING])
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--port", "70000"], "--port must be in 0..65535 (0: any free port), got 70000"),
+        (["--workers", "0"], "--workers must be at least 1"),
+        (["--threads", "0"], "--threads must be at least 1"),
+        (["--max-payload-bytes", "0"], "--max-payload-bytes must be at least 1"),
+    ],
+)
+def test_serve_settings_out_of_range_never_start(capsys, files, flags, message):
+    assert message in one_line_error(capsys, ["serve", *flags])
+
+
 def test_traffic(capsys, files):
     line = one_line_error(capsys, ["traffic", "--serve", MISSING])
     assert f"{MISSING}: no such file or directory" in line
