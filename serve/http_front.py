@@ -451,3 +451,5 @@ def register(app: FastAPI, front: Front, *, model_name: str, metadata: dict, ser
         ("/", index, "What this is"),
     ]:
         app.add_api_route(path, endpoint, methods=["GET"], summary=summary)
+    # load balancers' probes may ask with HEAD (HAProxy's default check): the same status, no body
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)

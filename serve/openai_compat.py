@@ -187,12 +187,26 @@ class _Route:
         }
 
     def _choice(
-        self, index: int, text: str, finish_reason: str | None, streamed: bool, logprobs=None
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        streamed: bool,
+        logprobs=None,
+        first: bool = True,
     ) -> dict:
+        """A choice; streamed, a chunk's (``first``: the choice's first chunk, whose chat delta names the
+        role, as OpenAI's first delta alone does)."""
         if self.kind == "text_completion":
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        key = "delta" if streamed else "message"
-        return {"index": index, key: {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        if not streamed:
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+            }
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": index, "delta": delta, "finish_reason": finish_reason}
 
     async def respond(self, translation: _Translation, client: Request, echo: bool = False, logprobs=None):
         """Answer the translated body: its choices whole, or streamed one after another."""
@@ -339,13 +353,19 @@ class _Route:
                 while event["event"] == "token":
                     sent += event["text"]
                     made += 1
-                    out = {**envelope, "choices": [self._choice(index, event["text"], None, True)]}
+                    choice = self._choice(index, event["text"], None, True, first=made == 1)
+                    out = {**envelope, "choices": [choice]}
                     if options.continuous_usage_stats:
                         out["usage"] = _usage(usage[0], usage[1] + made)
                     yield chunk(out)
                     event = await submission.next_event()
                 if event["event"] == "error":
-                    error = {"message": event["message"], "type": "server_error", "code": event["status"]}
+                    error = {
+                        "message": event["message"],
+                        "type": "server_error",
+                        "param": None,
+                        "code": event["status"],
+                    }
                     yield chunk({"error": error})
                     return
                 response = event["response"]
@@ -355,7 +375,11 @@ class _Route:
                 rest = response["text"][len(sent) :]  # bytes of a character still open at the end
                 last = {
                     **envelope,
-                    "choices": [self._choice(index, rest, _finish_reason(response["finish_reason"]), True)],
+                    "choices": [
+                        self._choice(
+                            index, rest, _finish_reason(response["finish_reason"]), True, first=not made
+                        )
+                    ],
                     "blocklab": _blocklab(response),
                 }
                 if options.continuous_usage_stats:

@@ -8,7 +8,7 @@ naming the field, never silently ignored; ``None`` (absent or an explicit null) 
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from serve.schema import MAX_NEW_TOKENS
 
@@ -63,6 +63,13 @@ class OpenAIRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1, description="vLLM's: -1 or 0 is off.")
     # blocklab's own, sent by OpenAI clients through extra_body
     blocks: str | None = Field(None, max_length=4096, description="Block set spec, e.g. 'skip=3,4'.")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo):
+        if options is not None and not info.data.get("stream"):  # as OpenAI's and vLLM's refuse it
+            raise ValueError("only allowed when stream is true")
+        return options
 
 
 def _check_prompt(prompt: Any) -> str | list[str] | list[int] | list[list[int]]:

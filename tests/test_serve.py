@@ -185,6 +185,8 @@ def test_api_key_is_required_everywhere_but_the_docs(server):
 
 def test_info_reports_the_model(client):
     assert client.get("/health").status_code == 200
+    probe = client.head("/health")  # a load balancer's probe may ask with HEAD
+    assert probe.status_code == 200 and probe.content == b""
     model = client.get("/info").json()["model"]
     assert model["depth"] == N_LAYER and model["context_length"] == CONTEXT
     assert model["dtype"] == "float32" and model["blocklab_version"]

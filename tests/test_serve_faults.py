@@ -221,6 +221,13 @@ def test_a_generation_past_the_request_timeout_ends_with_504(deadline_server):
     after = stats(server)
     assert after["requests_timed_out"] - before["requests_timed_out"] == 2 and after["in_flight"] == 0
     assert post(server.url, {"prompt": PROMPT, "max_new_tokens": 2}).status_code == 200  # the worker is free
+    body = {"prompt": PROMPT, "max_tokens": 100, "stream": True, "ignore_eos": True}
+    reply = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    chunks = [json.loads(line[6:]) for line in reply.text.split("\n\n") if line.startswith("data: {")]
+    error = chunks[-1]["error"]  # OpenAI's error shape, mid-stream
+    assert chunks[0]["choices"] and error | {"message": ""} == {
+        "message": "", "type": "server_error", "param": None, "code": 504
+    }  # fmt: skip
 
 
 def test_a_step_that_never_returns_gets_504_from_the_http_side(deadline_server):

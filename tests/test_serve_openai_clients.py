@@ -113,6 +113,9 @@ def test_aiperf_streams_get_exactly_their_tokens_and_usage(client, path, body):
         isinstance(chunk["choices"][0][key], str if key == "text" else dict) for chunk in tokens_chunks
     )
     assert usage_chunk["usage"]["prompt_tokens"] > 0
+    if key == "delta":  # the role in the first delta only, as OpenAI's streams have it
+        deltas = [chunk["choices"][0]["delta"] for chunk in tokens_chunks]
+        assert deltas[0]["role"] == "assistant" and not any("role" in delta for delta in deltas[1:])
 
 
 def test_lm_eval_generate_until_stops_before_its_stop_strings(client):
@@ -276,6 +279,7 @@ def test_sampling_options_reach_the_engine(client):
         ({"stop": ["x"] * 17}, "stop"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 5e-324}, "top_p"),  # 0 in float32: below MIN_TOP_P
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # not streaming, as OpenAI has it
     ],
 )
 def test_what_stays_unsupported_is_refused_naming_the_field(client, body, param):
