@@ -267,9 +267,10 @@ def resolve(
         prompt_tokens = list(request.prompt_ids)
     else:
         prompt_tokens = tokens.encode(request.prompt, allow_endoftext=True)
+    prompt_field = "prompt" if request.prompt_ids is None else "prompt_ids"  # the field the client gave
     if len(prompt_tokens) > limits.block_size:
         raise RequestError(
-            "prompt", f"{len(prompt_tokens)} tokens exceed the context length {limits.block_size}"
+            prompt_field, f"{len(prompt_tokens)} tokens exceed the context length {limits.block_size}"
         )
     if len(prompt_tokens) + request.max_new_tokens > limits.block_size:
         raise RequestError(
@@ -278,7 +279,7 @@ def resolve(
             f"context length {limits.block_size}",
         )
     if (request.score or request.max_new_tokens == 0) and len(prompt_tokens) < 2:
-        raise RequestError("prompt", "scoring needs at least 2 tokens (the loss of each after the first)")
+        raise RequestError(prompt_field, "scoring needs at least 2 tokens (the loss of each after the first)")
     try:
         sampling = SamplingParams(
             temperature=request.temperature,

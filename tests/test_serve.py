@@ -95,6 +95,8 @@ BAD_BODIES = [
     ('{"prompt": "a", "adaptive_check": "probe"}', "adaptive_check"),  # without adaptive
     ('{"prompt": "a", "max_new_tokens": 0}', "prompt"),  # scoring needs two tokens
     ('{"prompt": "' + "word " * 200 + '"}', "prompt"),  # over the context
+    ('{"prompt_ids": [1], "max_new_tokens": 0}', "prompt_ids"),  # the field given, not "prompt"
+    ('{"prompt_ids": [' + "1, " * 200 + "1]}", "prompt_ids"),
 ]
 
 
