@@ -80,7 +80,11 @@ def error_response(path: str, status: int, detail, headers: dict[str, str] | Non
         return JSONResponse({"detail": detail}, status_code=status, headers=headers)
     param = None
     if not isinstance(detail, str):  # a validation error list: the first error's field is OpenAI's param
-        fields = [".".join(map(str, error["loc"][1:])) or None for error in detail]
+        # (JSON that does not parse is the body's: its place is a character offset, no field)
+        fields = [
+            None if error.get("type") == "json_invalid" else ".".join(map(str, error["loc"][1:])) or None
+            for error in detail
+        ]
         param = fields[0] if fields else None
         detail = "; ".join(
             f"{field or 'body'}: {error['msg'].removeprefix('Value error, ')}"

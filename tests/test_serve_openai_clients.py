@@ -288,6 +288,12 @@ def test_what_stays_unsupported_is_refused_naming_the_field(client, body, param)
     assert refused["type"] == "invalid_request_error"
 
 
+def test_json_that_does_not_parse_is_the_bodys_fault_not_a_fields(client):
+    json_type = {"Content-Type": "application/json"}
+    refused = error(client.post("/v1/completions", content=b'{"prompt": "a",', headers=json_type))
+    assert refused["param"] is None and refused["message"].startswith("body: JSON decode error")
+
+
 def test_chat_refuses_tools_and_logprobs_naming_them(client):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
     for field, value in [("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("logprobs", True)]:
