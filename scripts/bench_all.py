@@ -299,7 +299,7 @@ def run_all(peers: tuple[Path, Path | None, Path] | None = None) -> dict:
                 f"speculate {model}",
                 [
                     python, "scripts/bench_speculate.py", "--model", model, "--exits", "3", "4", "6",
-                    "--drafts", "3", "--vocabs", "2048", "--rounds", "3", "--prompts", "6",
+                    "--drafts", "2", "3", "--vocabs", "1024", "--rounds", "3", "--prompts", "6",
                     "--new-tokens", "48", "--json",
                 ],
             )  # fmt: skip
