@@ -76,7 +76,7 @@ ERROR_RESPONSES = {
 def error_response(path: str, status: int, detail, headers: dict[str, str] | None = None) -> JSONResponse:
     """FastAPI's ``{"detail": ...}``, or under ``/v1/`` OpenAI's ``{"error": {"message": ...}}``, the
     shape its clients read the message from, with ``param`` naming the field at fault."""
-    if not path.startswith("/v1/"):
+    if not (path.startswith("/v1/") or path == "/v1"):
         return JSONResponse({"detail": detail}, status_code=status, headers=headers)
     param = None
     if not isinstance(detail, str):  # a validation error list: the first error's field is OpenAI's param

@@ -288,6 +288,11 @@ def test_what_stays_unsupported_is_refused_naming_the_field(client, body, param)
     assert refused["type"] == "invalid_request_error"
 
 
+def test_an_unknown_path_under_v1_answers_in_openais_shape(client):
+    for path in ("/v1", "/v1/embeddings"):
+        assert error(client.get(path), 404)["type"] == "invalid_request_error"
+
+
 def test_json_that_does_not_parse_is_the_bodys_fault_not_a_fields(client):
     json_type = {"Content-Type": "application/json"}
     refused = error(client.post("/v1/completions", content=b'{"prompt": "a",', headers=json_type))
