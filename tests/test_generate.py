@@ -2,6 +2,7 @@
 
 import copy
 import json
+import random
 import time
 
 import pytest
@@ -182,6 +183,26 @@ def test_a_stop_string_ends_generation_and_the_text_before_it():
     assert stopped.finish_reason == "stop" and steps[-1].finish_reason == "stop"
     assert stopped.text == free.text[: free.text.find(stop)] and len(steps) < 12
     assert "".join(step.text for step in steps) == stopped.text  # the stream holds no stop string
+
+
+def test_stop_strings_are_found_and_held_as_a_search_of_the_whole_text_finds_them():
+    """StopStrings, fed random pieces of random text over a small alphabet (so strings overlap and
+    repeat), against str.find and str.endswith over the whole text at every piece."""
+    from lab.generate import StopStrings
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        stops = tuple("".join(rng.choices("ab", k=rng.randint(1, 5))) for _ in range(rng.randint(1, 3)))
+        matcher, text = StopStrings(stops), ""
+        while True:
+            piece = "".join(rng.choices("abc", k=rng.randint(0, 4)))
+            found, text = matcher.feed(piece), text + piece
+            starts = [text.find(stop) for stop in stops if stop in text]
+            assert found == (min(starts) if starts else None), (stops, text)
+            if found is not None or len(text) > 30:
+                break
+            held = [k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])]
+            assert matcher.held == max(held, default=0), (stops, text)
 
 
 def test_text_that_may_begin_a_stop_string_is_held_until_it_does_not():
