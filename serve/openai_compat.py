@@ -76,6 +76,18 @@ def _in_openai_terms(detail: list[dict], names: dict[str, str]) -> list[dict]:
     return translated
 
 
+def _tokens_within(generated: list[int], length: int) -> int:
+    """How many of the ``generated`` tokens begin within the first ``length`` characters of their
+    text, decoded on its own as the response's text is: those after a stop string's start are not."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offset = 0
+    for count, token in enumerate(generated):
+        if offset >= length:
+            return count
+        offset += len(decoder.decode(tokens.decode_token_bytes(token)))
+    return len(generated)
+
+
 def _prompt_ids(prompt: str | list[int]) -> list[int]:
     """The ids the server runs for ``prompt`` (as ``serve.schema.resolve`` tokenises it)."""
     return prompt if isinstance(prompt, list) else tokens.encode(prompt, allow_endoftext=True)
@@ -304,12 +316,10 @@ class _Route:
             first = 0 if echo else len(prompt_ids)
             # Offsets are characters from the start of the prompt, echoed or not, as OpenAI's are.
             offset = 0 if echo else len(_prompt_text(prompt))
-            text_end = len(_prompt_text(prompt)) + len(response["text"])  # in the same characters
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-            for position in range(first, len(ids)):
-                if position >= len(prompt_ids) and offset >= text_end:
-                    break  # a stop string's tokens, past the text returned
+            kept = _tokens_within(response["tokens"], len(response["text"]))  # not a stop string's
+            for position in range(first, len(prompt_ids) + kept):
                 token, loss = ids[position], losses[position]
                 result["tokens"].append(_token_string(token))
                 result["token_logprobs"].append(None if loss is None else -loss)

@@ -157,6 +157,19 @@ def test_streams_and_logprobs_stop_where_the_text_does(client):
     assert scored["text"].endswith(whole["text"])
 
 
+def test_logprobs_keep_the_generated_tokens_that_begin_within_the_text():
+    """What ``_logprobs`` keeps of a completion, decoded on its own as its text is (so a prompt that
+    ends mid-character, echoed, does not shift it): the tokens that begin before a stop string."""
+    from serve.openai_compat import _tokens_within
+
+    byte = tokens.encoding().encode_single_token
+    euro = [byte(b"\xe2"), byte(b"\x82"), byte(b"\xac")]  # one character in three tokens
+    stop_token = tokens.encode("X")
+    assert _tokens_within(euro + stop_token, len("€")) == 3  # "X" began the stop string
+    assert _tokens_within(euro[2:] + stop_token, len("\ufffd")) == 1  # the prompt held the first bytes
+    assert _tokens_within(euro + stop_token, len("€X")) == 4 and _tokens_within(euro, 0) == 0
+
+
 def lm_eval_parse_logprobs(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
     """lm-eval 0.4.13's ``LocalCompletionsAPI.parse_logprobs``, as it reads the answer."""
     res = []
