@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Literal
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -108,6 +109,19 @@ class HeldWrites:
 
 class HeadersTooLarge(Exception):
     """Raised in httptools' callback to stop the parser: the request's headers are past the bound."""
+
+
+def unread(transport: asyncio.Transport) -> bool:
+    """Whether bytes have come on ``transport``'s socket that the event loop has not read yet."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        # through a duplicate of the descriptor: asyncio's own socket object refuses recv
+        with socket.fromfd(sock.fileno(), sock.family, sock.type) as peek:
+            return bool(peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing there (BlockingIOError), or the socket is gone
+        return False
 
 
 class DeadlineProtocol(HttpToolsProtocol):
@@ -319,11 +333,13 @@ class DeadlineProtocol(HttpToolsProtocol):
 
     def _close_an_idle_connection(self) -> bool:
         """Close one idle keep-alive connection to make room for this request; False if none is idle.
-        A connection that has not begun a request is not one: its first request may be in the socket
-        unread, and closing over unread bytes resets the connection instead of answering it."""
+        Closing over bytes not yet read resets a connection instead of answering its request: so a
+        connection that has not begun a request is not one (its first may be in the socket unread),
+        nor one whose next request has come but not been read yet."""
         for other in self.connections:
             kept_alive = isinstance(other, DeadlineProtocol) and other.began > 0 and other.phase() == "idle"
-            if other is not self and kept_alive and not other.transport.is_closing():
+            closable = kept_alive and other is not self and not other.transport.is_closing()
+            if closable and not unread(other.transport):
                 other.timeout_keep_alive_handler()
                 return True
         return False

@@ -5,12 +5,13 @@ bound's counting is checked at each boundary, and a response's writes are counte
 import asyncio
 import functools
 import re
+import socket
 
 import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from serve.connections import DeadlineProtocol
+from serve.connections import DeadlineProtocol, unread
 
 BOUND = 1024
 """The request line and headers' bound these connections get."""
@@ -172,3 +173,27 @@ def test_a_read_behind_another_requests_end_is_counted_from_the_next_read_on():
         assert statuses(transport.sent) == [200, 400]
 
     asyncio.run(scenario())
+
+
+def test_unread_bytes_on_a_connection_are_seen_before_the_loop_reads_them():
+    """``unread``, which keeps a kept-alive connection whose next request has come from being closed
+    for room (closing over unread bytes resets it): False on a quiet socket, True once the peer has
+    sent what the protocol has not read (reading paused), False again once the protocol has read it."""
+
+    async def run() -> list[bool]:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
+        transport.pause_reading()
+        seen = [unread(transport)]
+        theirs.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+        await asyncio.sleep(0.05)
+        seen.append(unread(transport))
+        transport.resume_reading()
+        await asyncio.sleep(0.05)  # the protocol reads it
+        seen.append(unread(transport))
+        transport.close()
+        theirs.close()
+        return seen
+
+    assert asyncio.run(run()) == [False, True, False]
