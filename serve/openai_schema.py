@@ -67,7 +67,8 @@ class OpenAIRequest(BaseModel):
     @field_validator("stream_options")
     @classmethod
     def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo):
-        if options is not None and not info.data.get("stream"):  # as OpenAI's and vLLM's refuse it
+        # as OpenAI's and vLLM's refuse it (a stream that failed its own check is that field's error)
+        if options is not None and "stream" in info.data and not info.data["stream"]:
             raise ValueError("only allowed when stream is true")
         return options
 

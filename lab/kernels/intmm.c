@@ -74,8 +74,9 @@
 #define PREFETCH_BYTES 8192
 /* The AVX2 kernels' request for the weights' line at ``line`` (PREFETCH_BYTES ahead) in a product of M
  * input rows: non-temporal for a decode step's few rows, which read each weight once. (The float rows
- * ask where one output takes all of a decode step's rows; int8's at one row, as asking for 4 rows'
- * made those slower; the integer and int4 products at any M, for their first row group.) */
+ * ask where a tile takes one output, for the first row group: a decode step's rows, and a prompt's
+ * outputs past its last full tile; int8's at one row, as asking for 4 rows' made those slower; the
+ * integer and int4 products at any M, for their first row group.) */
 static inline __attribute__((always_inline)) void prefetch_weights_avx2(const char *line, int64_t M) {
   if (M <= NARROW_ROWS)
     _mm_prefetch(line, _MM_HINT_NTA);
