@@ -587,8 +587,10 @@ static inline __attribute__((always_inline)) void float_tile_avx2(const int BF16
     for (int c = 0; c < COLS; ++c) even[r][c] = odd[r][c] = _mm256_setzero_ps();
   if (!BF16) {
     for (int64_t k = 0; k < full; k += 8) {
-      if (COLS == 1 && m0 == 0 && k % 16 == 0) /* one line of float32 weights per 16 inputs */
-        prefetch_weights_avx2((const char *)((const float *)p->weights + n0 * K + k) + PREFETCH_BYTES, p->M);
+      /* a line of float32 weights per 16 inputs, per output of a decode step's tile */
+      if ((COLS == 1 || (COLS == 2 && p->M <= NARROW_ROWS)) && m0 == 0 && k % 16 == 0)
+        for (int c = 0; c < COLS; ++c)
+          prefetch_weights_avx2((const char *)((const float *)p->weights + (n0 + c) * K + k) + PREFETCH_BYTES, p->M);
       float_step_avx2(BF16, ROWS, COLS, k, n0, x, p, even);
     }
   } else if (ROWS * COLS <= 4) {
@@ -639,13 +641,21 @@ static inline __attribute__((always_inline)) void f32_tile_avx2(const int ROWS, 
 
 /* One parallel loop per version and weight type. One row: one output at a time. A decode step's rows
  * (NARROW_ROWS): one output at a time, all the rows together (one weight stream per thread, each
- * weight loaded once for them). More rows: tiles of COLS outputs, over every row 4 at a time (one row
- * at a time for short sums, SHORT_SUMS); the outputs past the last full tile one at a time. */
-#define FLOAT_PRODUCT(TILE, COLS, p)                                                      \
+ * weight loaded once for them); where PAIRED (AVX2), 3 or 4 rows over short sums (SHORT_SUMS) take
+ * two neighbouring outputs at a time, their weights still one stream, so that twice the chains of
+ * such short sums are in flight (the builtin's 4-row read-out 0.77x: docs/inference.md). More rows:
+ * tiles of COLS outputs, over every row 4 at a time (one row at a time for short sums); the outputs
+ * past the last full tile one at a time. */
+#define FLOAT_PRODUCT(TILE, COLS, PAIRED, p)                                              \
   do {                                                                                    \
     if ((p)->M == 1) {                                                                    \
       _Pragma("omp parallel for schedule(static)")                                        \
       for (int64_t n = 0; n < (p)->N; ++n) TILE(1, 1, 0, n, p);                           \
+    } else if ((PAIRED) && (p)->M >= 3 && (p)->M <= NARROW_ROWS && (p)->K <= SHORT_SUMS) { \
+      const int64_t paired = (p)->N / 2 * 2;                                              \
+      _Pragma("omp parallel for schedule(static)")                                        \
+      for (int64_t n0 = 0; n0 < paired; n0 += 2) EACH_ROW(TILE, 2, n0, p);                \
+      if (paired < (p)->N) EACH_ROW(TILE, 1, paired, p);                                  \
     } else if ((p)->M <= NARROW_ROWS) {                                                   \
       _Pragma("omp parallel for schedule(static)")                                        \
       for (int64_t n = 0; n < (p)->N; ++n) EACH_ROW(TILE, 1, n, p);                       \
@@ -666,13 +676,13 @@ static inline __attribute__((always_inline)) void f32_tile_avx2(const int ROWS, 
 /* AVX2 has 16 vector registers: 4 rows by 3 outputs keep 12 sums in them beside 3 weight vectors and an
  * input vector; a prompt's products then load 7 vectors for 12 multiply-adds (2 outputs: 6 for 8),
  * and re-read each row's inputs from the second-level cache once every 3 outputs instead of 2. */
-static AVX512_BF16 void bf16_avx512(const struct float_product *p) { FLOAT_PRODUCT(bf16_tile_avx512, 4, p); }
+static AVX512_BF16 void bf16_avx512(const struct float_product *p) { FLOAT_PRODUCT(bf16_tile_avx512, 4, 0, p); }
 
-static AVX512_BF16 void f32_avx512(const struct float_product *p) { FLOAT_PRODUCT(f32_tile_avx512, 4, p); }
+static AVX512_BF16 void f32_avx512(const struct float_product *p) { FLOAT_PRODUCT(f32_tile_avx512, 4, 0, p); }
 
-static void bf16_avx2(const struct float_product *p) { FLOAT_PRODUCT(bf16_tile_avx2, 3, p); }
+static void bf16_avx2(const struct float_product *p) { FLOAT_PRODUCT(bf16_tile_avx2, 3, 1, p); }
 
-static void f32_avx2(const struct float_product *p) { FLOAT_PRODUCT(f32_tile_avx2, 3, p); }
+static void f32_avx2(const struct float_product *p) { FLOAT_PRODUCT(f32_tile_avx2, 3, 1, p); }
 
 /* Weight-only products: integer weights times floating-point inputs, sums in float32, what torch's
  * int8 and int4 kernels compute (weights widened to float), at the rate the weights stream.
