@@ -99,6 +99,17 @@ def text_pieces(ids: Iterable[int]) -> Iterator[str]:
         yield tail
 
 
+def char_offsets(ids: Iterable[int]) -> list[int]:
+    """Where each token's text begins, in characters of the tokens' text decoded piece by piece (as
+    ``text_pieces``): a token that ends mid-character begins where the next one does."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, offset = [], 0
+    for token in ids:
+        offsets.append(offset)
+        offset += len(decoder.decode(decode_token_bytes(token)))
+    return offsets
+
+
 # --------------------------------------------------------------------------------------------------
 # A Hugging Face tokenizer directory, derived from the ranks
 

@@ -21,7 +21,6 @@ implemented (``n`` > 1, tools, penalties, ``logit_bias``, ``logprobs`` > 1, ...)
 (``role: content`` lines, then ``assistant:``): the served models are not chat-tuned.
 """
 
-import codecs
 import json
 import re
 import time
@@ -74,18 +73,6 @@ def _in_openai_terms(detail: list[dict], names: dict[str, str]) -> list[dict]:
             msg = msg.replace(ours, names.get(ours, ours))
         translated.append({**error, "loc": [names.get(part, part) for part in loc], "msg": msg})
     return translated
-
-
-def _tokens_within(generated: list[int], length: int) -> int:
-    """How many of the ``generated`` tokens begin within the first ``length`` characters of their
-    text, decoded on its own as the response's text is: those after a stop string's start are not."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    offset = 0
-    for count, token in enumerate(generated):
-        if offset >= length:
-            return count
-        offset += len(decoder.decode(tokens.decode_token_bytes(token)))
-    return len(generated)
 
 
 def _prompt_ids(prompt: str | list[int]) -> list[int]:
@@ -315,16 +302,18 @@ class _Route:
             top_losses = [None] + (score.get("top_losses") or [] if score else [])
             first = 0 if echo else len(prompt_ids)
             # Offsets are characters from the start of the prompt, echoed or not, as OpenAI's are.
-            offset = 0 if echo else len(_prompt_text(prompt))
-            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            base = 0 if echo else len(_prompt_text(prompt))
+            # the generated tokens that begin within the text, decoded on its own as the text is: not
+            # those of a stop string, which the text leaves out
+            kept = sum(at < len(response["text"]) for at in tokens.char_offsets(response["tokens"]))
             result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-            kept = _tokens_within(response["tokens"], len(response["text"]))  # not a stop string's
-            for position in range(first, len(prompt_ids) + kept):
+            positions = range(first, len(prompt_ids) + kept)
+            offsets = tokens.char_offsets(ids[position] for position in positions)
+            for position, offset in zip(positions, offsets, strict=True):
                 token, loss = ids[position], losses[position]
                 result["tokens"].append(_token_string(token))
                 result["token_logprobs"].append(None if loss is None else -loss)
-                result["text_offset"].append(offset)
-                offset += len(decoder.decode(tokens.decode_token_bytes(token)))
+                result["text_offset"].append(base + offset)
                 if loss is None:
                     result["top_logprobs"].append(None)
                 else:

@@ -157,17 +157,15 @@ def test_streams_and_logprobs_stop_where_the_text_does(client):
     assert scored["text"].endswith(whole["text"])
 
 
-def test_logprobs_keep_the_generated_tokens_that_begin_within_the_text():
-    """What ``_logprobs`` keeps of a completion, decoded on its own as its text is (so a prompt that
-    ends mid-character, echoed, does not shift it): the tokens that begin before a stop string."""
-    from serve.openai_compat import _tokens_within
-
+def test_tokens_begin_where_their_text_is_decoded_piece_by_piece():
+    """``lab.tokens.char_offsets``, by which ``_logprobs`` keeps the generated tokens that begin within
+    the text (a completion decoded on its own, as its text is, so that a prompt ending mid-character,
+    echoed, does not shift them): a character in three tokens begins at each of them."""
     byte = tokens.encoding().encode_single_token
     euro = [byte(b"\xe2"), byte(b"\x82"), byte(b"\xac")]  # one character in three tokens
-    stop_token = tokens.encode("X")
-    assert _tokens_within(euro + stop_token, len("€")) == 3  # "X" began the stop string
-    assert _tokens_within(euro[2:] + stop_token, len("\ufffd")) == 1  # the prompt held the first bytes
-    assert _tokens_within(euro + stop_token, len("€X")) == 4 and _tokens_within(euro, 0) == 0
+    assert tokens.char_offsets(euro + tokens.encode("X")) == [0, 0, 0, 1]  # "X" begins after "€"
+    assert tokens.char_offsets(euro[2:] + tokens.encode("X")) == [0, 1]  # "\ufffd": bytes the prompt had
+    assert tokens.char_offsets(tokens.encode("ab cd")) == [0, 2] and tokens.char_offsets([]) == []
 
 
 def lm_eval_parse_logprobs(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
