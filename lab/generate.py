@@ -100,8 +100,8 @@ def check_sampling(sampling: SamplingParams, block_set: BlockSet) -> None:
 
 class StopStrings:
     """Where stop strings appear in a text fed a piece at a time: one Knuth-Morris-Pratt automaton
-    per string, so each character costs the same whatever the strings' lengths (16 strings of 1024
-    characters, compared prefix by prefix at every token, took milliseconds a token)."""
+    per string, so each character costs the same whatever the strings' lengths (comparing every
+    prefix of every string at each token grew with their squares: docs/serving.md)."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
@@ -123,7 +123,7 @@ class StopStrings:
     def feed(self, piece: str) -> int | None:
         """Take the next piece of text; where the first stop string to appear in it begins (an index
         into the whole text), or None."""
-        first = None
+        starts = []
         for j, (stop, failure) in enumerate(zip(self.stops, self.failure, strict=True)):
             k = self.matched[j]
             for i, char in enumerate(piece):
@@ -131,13 +131,11 @@ class StopStrings:
                     k = failure[k - 1]
                 k += char == stop[k]
                 if k == len(stop):
-                    start = self.length + i + 1 - k
-                    first = start if first is None else min(first, start)
+                    starts.append(self.length + i + 1 - k)
                     k = failure[k - 1]
-                    break
             self.matched[j] = k
         self.length += len(piece)
-        return first
+        return min(starts, default=None)
 
     @property
     def held(self) -> int:

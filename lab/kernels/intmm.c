@@ -643,7 +643,7 @@ static inline __attribute__((always_inline)) void f32_tile_avx2(const int ROWS, 
  * (NARROW_ROWS): one output at a time, all the rows together (one weight stream per thread, each
  * weight loaded once for them); where PAIRED (AVX2), 3 or 4 rows over short sums (SHORT_SUMS) take
  * two neighbouring outputs at a time, their weights still one stream, so that twice the chains of
- * such short sums are in flight (the builtin's 4-row read-out 0.77x: docs/inference.md). More rows:
+ * such short sums are in flight (docs/inference.md has the figures). More rows:
  * tiles of COLS outputs, over every row 4 at a time (one row at a time for short sums); the outputs
  * past the last full tile one at a time. */
 #define FLOAT_PRODUCT(TILE, COLS, PAIRED, p)                                              \
