@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -78,12 +79,49 @@ def token_probabilities(logits: torch.Tensor, sampling: SamplingParams) -> torch
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = F.softmax(logits, dim=-1)  # [V]
     if sampling.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)  # [V] each
-        before = sorted_probs.cumsum(-1) - sorted_probs  # [V] mass of the more likely tokens
-        sorted_probs = sorted_probs.masked_fill(before >= sampling.top_p, 0.0)  # the most likely stays
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)  # [V]
-        probs = probs / probs.sum()
+        probs = _nucleus(probs, sampling.top_p)
     return probs
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [V] kept on their smallest most likely set whose probability reaches ``top_p``, renormalised.
+
+    A token is kept when the tokens more likely than it hold less than ``top_p``, so the V or fewer
+    tokens no more likely than it hold more than 1 - top_p: it is more likely than (1 - top_p) / V.
+    Only those are sorted (half the bound, for rounding), not the whole vocabulary, whose sort cost
+    more than a decode step (docs/inference.md, "Sampling's cost").
+    """
+    bound = 0.5 * (1.0 - top_p) / probs.size(-1)
+    candidates = torch.nonzero(probs > bound).view(-1)  # [C] token ids, ascending
+    sorted_probs, order = probs[candidates].sort(descending=True)  # [C] each
+    before = sorted_probs.cumsum(-1) - sorted_probs  # [C] mass of the more likely tokens
+    kept = candidates[order[before < top_p]]  # [K]: the most likely is always kept
+    nucleus = torch.zeros_like(probs).index_copy_(0, kept, probs[kept])  # [V]
+    return nucleus / nucleus.sum()
+
+
+def inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The token of probs [V] at ``u`` in [0, 1) of their cumulative sums: the first whose cumulative
+    sum passes u times their total (non-negative probabilities; a total that is not finite and above
+    0 raises ValueError, as ``torch.multinomial`` refuses it). A token of probability 0 is never the
+    answer: rounding that carries u times the total to the end gives the last token with any."""
+    cdf = probs.cumsum(0, dtype=torch.float64)  # [V]
+    total = float(cdf[-1])
+    if not 0.0 < total < math.inf:  # NaN fails too
+        raise ValueError(f"draw: probabilities with a finite positive total, got a total of {total}")
+    token = int(torch.searchsorted(cdf, u * total, right=True))
+    if token < probs.size(0):
+        return token
+    return int(torch.nonzero(probs).max())
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """A token drawn from probs [V] (non-negative, not all 0; their total need not be 1) with one
+    uniform number from ``generator`` (inverse transform sampling). ``torch.multinomial`` draws an
+    exponential number per token of the vocabulary instead: on a CPU, over GPT-2's, more time than a
+    small model's decode step, for every sampled token (docs/inference.md, "Sampling's cost")."""
+    u = float(torch.rand((), generator=generator, dtype=torch.float64, device=probs.device))
+    return inverse_cdf(probs, u)
 
 
 @functools.cache
@@ -116,8 +154,7 @@ def pick_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.
     sampler: ``lab.generate``, speculation and the server all draw with it."""
     if sampling.temperature == 0.0:
         return greedy_token(logits)
-    probs = token_probabilities(logits, sampling)  # [V]
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return draw(token_probabilities(logits, sampling), generator)
 
 
 def seeded_generator(sampling: SamplingParams, device: torch.device) -> torch.Generator:

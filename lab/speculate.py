@@ -27,7 +27,7 @@ from lab.decode import Decoder
 from lab.errors import UserError
 from lab.lens.translator import exit_translator, require_tuned_lens, translate_exits
 from lab.model import GPT
-from lab.sampling import SamplingParams, greedy_token, pick_token, token_logprob, token_probabilities
+from lab.sampling import SamplingParams, draw, greedy_token, pick_token, token_logprob, token_probabilities
 
 
 @dataclass
@@ -160,7 +160,7 @@ class Speculator:
                     if vocabulary is None
                     else vocabulary.probabilities(logits, sampling)
                 )
-                token = int(torch.multinomial(draft_probs[-1], 1, generator=generator))
+                token = draw(draft_probs[-1], generator)
             drafts.append(token)
         return streams, drafts, draft_probs
 
@@ -229,10 +229,8 @@ class Speculator:
             if greedy:
                 token = greedy_token(target[j])
             else:
-                residual = (p - q).clamp(min=0.0)
-                total = float(residual.sum())
-                residual = residual / total if total > 0 else p
-                token = int(torch.multinomial(residual, 1, generator=generator))
+                residual = (p - q).clamp(min=0.0)  # draw needs no total of 1
+                token = draw(residual if float(residual.sum()) > 0 else p, generator)
             out.append((token, logprob(j, token)))
             return out
         token = pick_token(target[len(drafts)], sampling, generator)  # every draft agreed: one more free

@@ -90,6 +90,16 @@ def decode_rows(decode: dict) -> list[tuple[str, str, str]]:
             f"{row['one_call_over_block_by_block']:.2f} ({shown(row['one_call_ms'], row['one_call_ci'])} ms)",
             "",
         ))  # fmt: skip
+    for model, row in decode.get("sampling", {}).items():
+        for setting in ("temperature 1", "top_p 0.9"):
+            ours, step, ratio = (
+                row[f"{setting} ours"],
+                row["decode step"]["ms"],
+                row[f"{setting}: ours / textbook"],
+            )
+            text = f"{ratio:.2f} ({shown(ours['ms'], ours['ci'], 3)} ms; a decode step {step:.2f})"
+            name = f"sampling, {model}: a draw at {setting}, ours / torch.multinomial (top_p: full sort)"
+            rows.append((name, text, ""))
     return rows
 
 

@@ -5,6 +5,7 @@
     python scripts/bench_decode.py --quality-only   # the builtin models' loss per block set
     python scripts/bench_decode.py --rows-only      # the builtin's steps of 2-8 rows, one call or per block
     python scripts/bench_decode.py --prefill-only   # each dtype's prefill of a 19- and a 64-token prompt
+    python scripts/bench_decode.py --sampling-only  # drawing a token: ours against the textbook way
     python scripts/bench_decode.py --device cuda    # on a GPU: eager against CUDA graphs, per block set
 
 Everything is measured in the same process with the same threads, configurations interleaved round by
@@ -26,6 +27,9 @@ shared with other jobs slows all of them alike. Reports:
 - the builtin model's decode step of 2, 4 and 8 rows (under ``all``, and under mixed block sets), every
   row's blocks in one call against block by block (``builtin_rows``);
 - each dtype's prefill of a 19- and a 64-token prompt (``prefills``);
+- drawing a sampled token (temperature 1, and top_p 0.9): ``lab.sampling.pick_token`` against the
+  textbook way (a sort of the whole vocabulary, ``torch.multinomial``), beside a decode step
+  (``sampling_costs``);
 - the split of a step: its matrix products alone (every Linear at one row, then the read-out, swept
   in turn as a step runs them) and the rest, and the rate at which the products stream the weights;
 - the adaptive-exit check's cost per block, end to end (``adaptive=1.0`` checks after every block and
@@ -61,6 +65,7 @@ from lab.measure import interleaved, interval
 from lab.model import GPT, Linear
 from lab.quantize import QuantizedLinear
 from lab.rows import rows_alone
+from lab.sampling import SamplingParams, greedy_token, pick_token
 from lab.weights import BUILTIN_MODELS, builtin_source, load_model
 
 LOW_PRECISION = ("bfloat16", "int8", "w8a8", "int4", "w4a8")
@@ -333,6 +338,59 @@ ROW_COUNTS = (2, 4, 8)
 """Rows of the multi-row steps ``builtin_rows`` times (the server's steps with that many clients)."""
 
 
+def textbook_pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
+    """A token drawn the textbook way, the baseline of ``lab.sampling.pick_token``: the softmax over the
+    whole vocabulary, a sort of all of it for ``top_p``, then ``torch.multinomial``."""
+    probs = F.softmax(logits / sampling.temperature, dim=-1)  # [V]
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)  # [V] each
+        before = sorted_probs.cumsum(-1) - sorted_probs  # [V]
+        probs = torch.zeros_like(probs).scatter(
+            -1, order, sorted_probs.masked_fill(before >= sampling.top_p, 0)
+        )
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sampling_costs(prompt: list[int], rounds: int) -> dict:
+    """ms to draw one token from the logits after ``prompt``: ``lab.sampling.pick_token`` against
+    ``textbook_pick`` at temperature 1, alone and with top_p 0.9, beside greedy's argmax and the
+    model's batch-1 greedy decode step for scale; for the builtin model (a trained, peaked
+    distribution over the tokens it reads out) and gpt2-random int4 (GPT-2's 50,257 tokens, near
+    uniform: its nucleus holds most of them). Per model ``draw_costs``."""
+    models = {"builtin": load_model("builtin"), "gpt2-random int4": load_model("gpt2-random", "int4")}
+    return {name: draw_costs(model, prompt, rounds) for name, model in models.items()}
+
+
+def draw_costs(model: GPT, prompt: list[int], rounds: int, draws: int = 20) -> dict:
+    """``sampling_costs`` of one model: per way to draw, the median over ``rounds`` interleaved rounds
+    of ``draws`` draws each, with its 95% interval; and ours over the textbook's per setting."""
+    logits = Decoder(model).prefill(prompt).float()  # [V]
+    generator = torch.Generator().manual_seed(0)
+    settings = {"temperature 1": SamplingParams(temperature=1.0), "top_p 0.9": SamplingParams(1.0, top_p=0.9)}
+
+    def per_draw(draw) -> float:
+        start = time.perf_counter()
+        for _ in range(draws):
+            draw()
+        return (time.perf_counter() - start) * 1e3 / draws
+
+    measures = {
+        f"{setting} {who}": lambda p=picker, s=sampling: per_draw(lambda: p(logits, s, generator))
+        for setting, sampling in settings.items()
+        for who, picker in (("ours", pick_token), ("textbook", textbook_pick))
+    }
+    measures["greedy"] = lambda: per_draw(lambda: greedy_token(logits))
+    measures["decode step"] = lambda: greedy_ms_per_token(model, BlockSet(), prompt, 8)
+    times = interleaved(measures, rounds)
+    row = {
+        key: {"ms": statistics.median(v), "ci": [round(e, 4) for e in interval(v)]}
+        for key, v in times.items()
+    }
+    for setting in settings:
+        row[f"{setting}: ours / textbook"] = row[f"{setting} ours"]["ms"] / row[f"{setting} textbook"]["ms"]
+    return row
+
+
 def builtin_rows(prompt: list[int], rounds: int) -> dict:
     """The builtin model's decode step of several rows under ``rows_alone`` (the server's default
     steps), every row at its own position over its own cache: all rows under ``all``, and rows taking
@@ -473,6 +531,7 @@ def main(
     builtin_rounds: int = 15,
     rows_only: bool = False,
     prefill_only: bool = False,
+    sampling_only: bool = False,
     device: Device = "cpu",
 ) -> None:
     """Measure, print the results as JSON, and write them to ``json`` if given.
@@ -489,6 +548,8 @@ def main(
             the multi-row steps take three times as many).
         rows_only: Only the builtin model's multi-row steps (``builtin_rows``): seconds.
         prefill_only: Only each dtype's prefill of a 19- and a 64-token prompt (``prefills``): a minute.
+        sampling_only: Only the cost of drawing a token, ours against the textbook's (``sampling_costs``):
+            seconds.
         device: cpu (everything above), or cuda (auto: where torch sees one): ``cuda_results`` alone,
             eager against CUDA graphs per dtype and block set, and transformers on the same GPU.
     """
@@ -506,6 +567,8 @@ def main(
             "load_before": load_before,
             "prefill": prefills(models, prompt, rounds),
         }
+    elif sampling_only:
+        results = {"threads": threads, "sampling": sampling_costs(prompt, rounds)}
     elif device_named(device) != "cpu":
         results = cuda_results(prompt, tokens, rounds)
     else:
@@ -550,6 +613,7 @@ def main(
             "builtin_step": builtin_steps(prompt, tokens, builtin_rounds, compile),
             "builtin_rows": builtin_rows(prompt, builtin_rounds * 3),
             "prefill": prefills(models, prompt, rounds),
+            "sampling": sampling_costs(prompt, rounds),
             "unembed_ms": {"fp32": unembed_ms(ours), "bf16": unembed_ms(models["bfloat16"])},
             **{name.replace("-", "_"): builtin_quality(name) for name in BUILTIN_MODELS},
         }

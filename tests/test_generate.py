@@ -16,7 +16,7 @@ from lab.errors import UserError
 from lab.generate import adaptive_forward, generate, main, mean_blocks, score
 from lab.hooks import capture
 from lab.model import GPT
-from lab.sampling import SamplingError, SamplingParams
+from lab.sampling import SamplingError, SamplingParams, draw, inverse_cdf, token_probabilities
 
 CFG = GPTConfig(n_layer=6, n_head=2, n_embd=32, vocab_size=71, block_size=48)
 FIXED_SETS = ["all", "skip=1,4", "keep=0,5", "overwrite=2", "exit=3", "skip=0;overwrite=3;exit=5"]
@@ -138,6 +138,40 @@ def test_seeded_sampling_is_reproducible(model):
     assert sample(7) != sample(8)
     greedy_first = next(generate(model, prompt_tokens(), 1)).token
     assert set(sample(3, top_k=1)[:1]) == {greedy_first}  # top-1 sampling is greedy
+
+
+def test_draws_follow_the_distribution_and_never_take_a_token_of_probability_zero():
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0])  # [V]
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(probs, generator) for _ in range(4000)]), minlength=5)
+    assert counts[1] == counts[4] == 0
+    # each share within 4 standard deviations of its probability (4000 draws: at most 0.032)
+    assert torch.allclose(counts / 4000, probs, atol=0.032)
+    assert draw(probs * 7.0, torch.Generator().manual_seed(3)) == draw(
+        probs, torch.Generator().manual_seed(3)
+    )
+
+
+def test_inverse_cdf_places_u_by_the_cumulative_sums_and_rounding_lands_on_a_token_of_some_probability():
+    probs = torch.tensor([0.25, 0.0, 0.25, 0.5, 0.0, 0.0])
+    assert [inverse_cdf(probs, u) for u in (0.0, 0.2499, 0.25, 0.4999, 0.5, 0.99)] == [0, 0, 2, 2, 3, 3]
+    assert inverse_cdf(probs, 1.0) == 3  # u * total at the total itself: the last token drawn can be
+    for broken in (torch.zeros(3), torch.tensor([0.5, float("nan")]), torch.tensor([1.0, float("inf")])):
+        with pytest.raises(ValueError, match="finite positive total"):
+            inverse_cdf(broken, 0.5)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 3.0])
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_nucleus_keeps_the_tokens_a_full_sort_keeps(temperature, top_p):
+    """The nucleus from its candidates alone equals the textbook one over the whole sorted vocabulary."""
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * 4  # peaked: a trained model's
+    sampling = SamplingParams(temperature=temperature, top_p=top_p)
+    probs = F.softmax(logits / temperature, dim=-1)
+    sorted_probs, order = probs.sort(descending=True)
+    before = sorted_probs.cumsum(-1) - sorted_probs
+    expected = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(before >= top_p, 0.0))
+    torch.testing.assert_close(token_probabilities(logits, sampling), expected / expected.sum())
 
 
 def test_logprob_is_of_the_chosen_token(model):
