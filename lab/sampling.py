@@ -87,11 +87,14 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """probs [V] kept on their smallest most likely set whose probability reaches ``top_p``, renormalised.
 
     A token is kept when the tokens more likely than it hold less than ``top_p``, so the V or fewer
-    tokens no more likely than it hold more than 1 - top_p: it is more likely than (1 - top_p) / V.
+    tokens no more likely than it hold more than total - top_p: it is more likely than that over V.
     Only those are sorted (half the bound, for rounding), not the whole vocabulary, whose sort cost
     more than a decode step (docs/inference.md, "Sampling's cost").
     """
-    bound = 0.5 * (1.0 - top_p) / probs.size(-1)
+    total = float(probs.sum())  # 1 up to rounding: a top_p at or above it keeps every token
+    if total <= top_p:
+        return probs / total
+    bound = 0.5 * (total - top_p) / probs.size(-1)
     candidates = torch.nonzero(probs > bound).view(-1)  # [C] token ids, ascending
     sorted_probs, order = probs[candidates].sort(descending=True)  # [C] each
     before = sorted_probs.cumsum(-1) - sorted_probs  # [C] mass of the more likely tokens
@@ -102,13 +105,13 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def inverse_cdf(probs: torch.Tensor, u: float) -> int:
     """The token of probs [V] at ``u`` in [0, 1) of their cumulative sums: the first whose cumulative
-    sum passes u times their total (non-negative probabilities; a total that is not finite and above
-    0 raises ValueError, as ``torch.multinomial`` refuses it). A token of probability 0 is never the
+    sum passes u times their total (a negative probability, or a total that is not finite and above
+    0, raises ValueError, as ``torch.multinomial`` refuses them). A token of probability 0 is never the
     answer: rounding that carries u times the total to the end gives the last token with any."""
     cdf = probs.cumsum(0, dtype=torch.float64)  # [V]
     total = float(cdf[-1])
-    if not 0.0 < total < math.inf:  # NaN fails too
-        raise ValueError(f"draw: probabilities with a finite positive total, got a total of {total}")
+    if not 0.0 < total < math.inf or float(probs.min()) < 0:  # NaN fails too
+        raise ValueError(f"draw: probabilities of at least 0 with a finite positive total, got {probs}")
     token = int(torch.searchsorted(cdf, u * total, right=True))
     if token < probs.size(0):
         return token

@@ -156,8 +156,9 @@ def test_inverse_cdf_places_u_by_the_cumulative_sums_and_rounding_lands_on_a_tok
     probs = torch.tensor([0.25, 0.0, 0.25, 0.5, 0.0, 0.0])
     assert [inverse_cdf(probs, u) for u in (0.0, 0.2499, 0.25, 0.4999, 0.5, 0.99)] == [0, 0, 2, 2, 3, 3]
     assert inverse_cdf(probs, 1.0) == 3  # u * total at the total itself: the last token drawn can be
-    for broken in (torch.zeros(3), torch.tensor([0.5, float("nan")]), torch.tensor([1.0, float("inf")])):
-        with pytest.raises(ValueError, match="finite positive total"):
+    broken_ones = [[0.0, 0.0], [0.5, float("nan")], [1.0, float("inf")], [0.3, -0.5, 0.3]]
+    for broken in map(torch.tensor, broken_ones):
+        with pytest.raises(ValueError, match="at least 0 with a finite positive total"):
             inverse_cdf(broken, 0.5)
 
 
@@ -172,6 +173,17 @@ def test_nucleus_keeps_the_tokens_a_full_sort_keeps(temperature, top_p):
     before = sorted_probs.cumsum(-1) - sorted_probs
     expected = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(before >= top_p, 0.0))
     torch.testing.assert_close(token_probabilities(logits, sampling), expected / expected.sum())
+
+
+def test_nucleus_keeps_as_many_of_tied_tokens_and_every_token_at_a_top_p_the_total_reaches():
+    """Tied at the cut, the nucleus keeps as many tokens as the full sort (which of them may differ);
+    a top_p at or above the probabilities' rounded total keeps every token, as the full sort does."""
+    tied = F.softmax(torch.tensor([0.0] * 17 + [-30.0] * 20), dim=-1)  # [37]
+    kept = token_probabilities(torch.log(tied), SamplingParams(temperature=1.0, top_p=0.05))
+    assert int((kept > 0).sum()) == 1 and float(kept.max()) == 1.0
+    logits = torch.tensor([13.0, -52.0, -40.0, 27.0, 23.0])  # softmax total just below 1 in float32
+    kept = token_probabilities(logits, SamplingParams(temperature=1.0, top_p=0.99999999))
+    assert bool((kept > 0).all())
 
 
 def test_logprob_is_of_the_chosen_token(model):
