@@ -24,7 +24,8 @@ invariance).
    - head-of-line: a 1-token request sent 0.5 s into a 200-token generation, against the same
      request alone plus 6 decode steps (target: within 3x alone + 6 steps);
    - 4 closed-loop streaming clients: median time to first token against a lone request's plus 4
-     decode steps; 8 clients' against 4 clients' (target: at most 1.5x);
+     decode steps; 8 clients' against 4 clients' (target: at most 1.5x); and 4 clients sending one
+     prompt, whose prefill the engine makes once and copies;
    - 4 requests of 4 block sets (adaptive among them) at once against one after another (target
      >= 1.6x the throughput), and 8 adaptive clients against one (target >= 2x);
    - 4 clients under ``skip`` of half the blocks against ``all``: time per output token (target
@@ -41,7 +42,9 @@ invariance).
 
 Every number is measured in this run against a baseline of this run; the machine's load average is
 reported with them, because on a shared CPU it moves them. The overhead's ratio comes with the 95%
-bootstrap interval over its alternating calls, and each scheduler figure is the median of
+bootstrap interval over its alternating calls. The scheduler's requests at once each have a prompt of
+their own of ``PROMPT``'s length (``distinct``), but where a figure says one prompt: the engine
+prefills identical prompts once. Each scheduler figure is the median of
 ``--rounds`` rounds on the same server with the interval of that median (with 3 rounds, about their
 range): a single round of a few requests moves these ratios by a fifth or more between runs. The
 requests go through ``serve.client``, the client ``blocklab traffic`` uses.
@@ -63,6 +66,7 @@ import httpx
 import numpy as np
 import torch
 
+from lab import tokens
 from lab.flags import parse
 from lab.measure import ends, interval, latency_ms, resampled, shown
 from serve.client import Reply, closed_loop, send
@@ -72,6 +76,15 @@ from serve.shared import SharedState
 from serve.worker import WeightsLoader, Worker
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find"
+PROMPT_IDS = tokens.encode(PROMPT)
+
+
+def distinct(body: dict, i: int) -> dict:
+    """``body`` with a prompt of its own, as long as ``PROMPT``: its first token replaced by the i-th
+    one after it. Requests at once then share no prefill (``serve.engine`` copies the prefill of an
+    identical prompt), so each costs what a prompt of its own costs."""
+    ids = [(PROMPT_IDS[0] + 1 + i) % tokens.VOCAB_SIZE, *PROMPT_IDS[1:]]
+    return {**{key: value for key, value in body.items() if key != "prompt"}, "prompt_ids": ids}
 
 
 @dataclass
@@ -277,13 +290,16 @@ async def ttft_under_load(http: httpx.AsyncClient, base: dict, step_ms: float) -
     alone = [(await answered(http, streamed(base, max_new_tokens=16))).ttft_s for _ in range(3)]
     ttft_p50 = {}
     for clients in (4, 8):
-        bodies = [streamed(base, max_new_tokens=16, seed=i) for i in range(3 * clients)]
+        bodies = [distinct(streamed(base, max_new_tokens=16, seed=i), i) for i in range(3 * clients)]
         _, replies = await together(http, bodies, clients=clients)
         ttft_p50[clients] = p50_ms([reply.ttft_s for reply in replies])
+    one_prompt = [streamed(base, max_new_tokens=16, seed=i) for i in range(12)]  # prefilled once a round
+    _, replies = await together(http, one_prompt, clients=4)
     ttft_alone = p50_ms(alone)
     return {
         "ttft_alone_ms": round(ttft_alone, 1),
         "ttft_4_clients_p50_ms": round(ttft_p50[4], 1),
+        "ttft_4_clients_one_prompt_p50_ms": round(p50_ms([reply.ttft_s for reply in replies]), 1),
         "ttft_bound_ms": round(ttft_alone + 4 * step_ms, 1),
         "ttft_8_clients_p50_ms": round(ttft_p50[8], 1),
         "ttft_8_over_4_clients": round(ttft_p50[8] / ttft_p50[4], 2),
@@ -293,16 +309,18 @@ async def ttft_under_load(http: httpx.AsyncClient, base: dict, step_ms: float) -
 async def block_sets_sharing(http: httpx.AsyncClient, base: dict, mixed_sets: list[str]) -> dict:
     """4 block sets at once against one after another; 8 adaptive clients against one; 4 clients
     under skip of half the blocks against all (time per output token)."""
-    four = [streamed(base, max_new_tokens=32, blocks=spec) for spec in mixed_sets]
+    four = [distinct(streamed(base, max_new_tokens=32, blocks=spec), i) for i, spec in enumerate(mixed_sets)]
     sequential_s, _ = await together(http, four, clients=1)
     together_s, _ = await together(http, four)
-    adaptive_bodies = [streamed(base, max_new_tokens=32, blocks=mixed_sets[3], seed=i) for i in range(8)]
+    adaptive_bodies = [
+        distinct(streamed(base, max_new_tokens=32, blocks=mixed_sets[3], seed=i), i) for i in range(8)
+    ]
     one_adaptive_s = (await together(http, adaptive_bodies[:2], clients=1))[0] / 2
     eight_adaptive_s, _ = await together(http, adaptive_bodies)
     tpot = {}
     for spec in mixed_sets[:2]:
         _, replies = await together(
-            http, [streamed(base, max_new_tokens=32, blocks=spec, seed=i) for i in range(4)]
+            http, [distinct(streamed(base, max_new_tokens=32, blocks=spec, seed=i), i) for i in range(4)]
         )
         tpot[spec] = latency_ms([reply.response.timings.per_token_ms / 1e3 for reply in replies], (50,))[
             "p50"
@@ -328,7 +346,7 @@ async def batch_invariance_and_throughput(http: httpx.AsyncClient, base: dict, m
     _, replies = await together(http, [*others[:3], probe, *others[3:]])
     batched = replies[3].response
     pairs = zip(alone.score.token_losses, batched.score.token_losses, strict=True)
-    eight = [streamed(base, max_new_tokens=16, seed=i) for i in range(16)]
+    eight = [distinct(streamed(base, max_new_tokens=16, seed=i), i) for i in range(16)]
     one_s, _ = await together(http, eight[:4], clients=1)
     eight_s, _ = await together(http, eight[:8])
     eight_s2, _ = await together(http, eight[8:])
@@ -439,7 +457,8 @@ def _print_scheduling(r: dict) -> None:
         f"  4 streaming clients: TTFT p50 {with_interval(r, 'ttft_4_clients_p50_ms')} ms "
         f"(alone {with_interval(r, 'ttft_alone_ms')}; target <= {r['ttft_bound_ms']:.0f}); 8 clients "
         f"{with_interval(r, 'ttft_8_clients_p50_ms')} ms, {with_interval(r, 'ttft_8_over_4_clients', 2)}x "
-        f"4 clients' (target <= 1.5)"
+        f"4 clients' (target <= 1.5); 4 clients of one prompt (its prefill copied) "
+        f"{with_interval(r, 'ttft_4_clients_one_prompt_p50_ms')} ms"
     )
     print(
         f"  4 block sets at once {with_interval(r, 'four_block_sets_speedup', 2)}x one after another "

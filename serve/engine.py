@@ -12,7 +12,8 @@ iteration-level scheduling, as vLLM, TGI and SGLang do it). Each tick:
    as the context holds). A long prompt thus holds the running rows back for one chunk's pass per
    tick, not for its whole prefill, and prompts that arrive together start together instead of one
    tick apart; chunk boundaries depend on the prompt alone, so a prompt's losses are the same
-   whatever else is running;
+   whatever else is running. A prompt that another row has too, under the same prefill, is not
+   prefilled again: the row copies the other's once it is done (``_Row._twin_key``, ``_copy``);
 3. decode: every prefilled row takes one step together, whatever its block set
    (``lab.decode.decode_rows``): block i runs on the rows whose set includes it, exit rows stop at
    their block, adaptive rows decide per token; a speculating row runs a round of its own.
@@ -47,7 +48,7 @@ from lab import generate as lab_generate
 from lab import tokens
 from lab.decode import decode_rows
 from lab.generate import Generation, Step
-from lab.model import GPT
+from lab.model import GPT, KVCache
 from lab.rows import rows_alone
 from lab.sampling import SamplingError
 from serve.schema import (
@@ -65,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 COUNTERS = (
     "tokens_generated",
+    "prefills_copied",
     "batches_split",
     "requests_done",
     "requests_failed",
@@ -203,6 +205,23 @@ class _Row:
         self.fed = 0  # prompt tokens prefilled so far
         self.scores: list[torch.Tensor] = []  # per prefill chunk, _scores' [n, 3]
         self.prefilled = False
+        self.last_stream: torch.Tensor | None = None  # [D]: the prompt's last position leaving the blocks
+        self.twin_key = self._twin_key(model)
+
+    def _twin_key(self, model: GPT) -> Hashable | None:
+        """What makes two rows' prefills one computation, bit for bit: the tokens fed, the blocks run
+        and those that overwrite (the prefill's set: an adaptive row's runs all its blocks), whether
+        the prompt's losses are read out; and fed from position 0 in the same chunks, as every row
+        is. None where a prefill is not copied: a cache of lab.fast's (a tensor per layer), adaptive
+        exit's scoring pass (its own), hooks on the model (they would see one prefill of the two)."""
+        decoder = self.generation.decoder
+        if not isinstance(decoder.cache, KVCache) or self.scoring and self.job.block_set.is_adaptive:
+            return None
+        if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+            return None
+        prefill_set = decoder.prefill_set
+        blocks = tuple(prefill_set.blocks_to_run(model.config.n_layer))
+        return tuple(self.feed), blocks, frozenset(prefill_set.overwrite), bool(self.loss_targets)
 
     @property
     def speculating(self) -> bool:
@@ -264,8 +283,11 @@ class Engine:
             decoding = [row for row in self.rows if row.prefilled]
             budget = self.prefill_per_step if decoding else self.model.config.block_size
             for row in [row for row in self.rows if not row.prefilled]:
-                if budget <= 0:
-                    break
+                twin = self._twin(row)
+                if twin is not None:  # the same prompt: copied once prefilled, in no pass of its own
+                    if twin.prefilled and row in self.rows:
+                        yield self._counted(self._guarded(row, lambda row, twin=twin: self._copy(row, twin)))
+                    continue
                 while budget > 0 and not row.prefilled and row in self.rows:
                     budget -= min(self.prefill_chunk, len(row.feed) - row.fed)
                     yield self._counted(self._guarded(row, self._prefill_chunk))
@@ -338,6 +360,33 @@ class Engine:
             self.rows.remove(row)
             return [_failed(row.key, error)]
 
+    def _twin(self, row: _Row) -> _Row | None:
+        """A row whose prefill is the one ``row`` has still to make in full (``_Row._twin_key``):
+        prefilled, or ahead of it in arrival order and under way (then ``row`` waits for it); None
+        for a row with a prefill of its own to make."""
+        if row.fed > 0 or row.twin_key is None:
+            return None
+        twins = [other for other in self.rows if other is not row and other.twin_key == row.twin_key]
+        prefilled = [other for other in twins if other.prefilled]
+        if prefilled:
+            return prefilled[0]
+        ahead = self.rows[: self.rows.index(row)]
+        return next((other for other in twins if other in ahead), None)
+
+    def _copy(self, row: _Row, twin: _Row) -> Events:
+        """``row``'s prefill from its prefilled ``twin``'s: the prompt's keys and values, the stream
+        leaving its last position and its losses, the same bits ``row``'s own prefill would give."""
+        start = time.monotonic()
+        end = len(row.feed)
+        mine, theirs = row.generation.decoder.cache, twin.generation.decoder.cache
+        mine.k[:, :, :, :end] = theirs.k[:, :, :, :end]  # [L, 1, H, end, Dh]
+        mine.v[:, :, :, :end] = theirs.v[:, :, :, :end]
+        mine.length = row.fed = end
+        row.report.score = twin.report.score
+        row.report.prefill_s += time.monotonic() - start
+        self.tally("prefills_copied", 1)
+        return self._prefilled(row, twin.last_stream)
+
     def _prefill_chunk(self, row: _Row) -> Events:
         """The row's next chunk of prompt; at the end of the prompt its score and first token."""
         job, report = row.job, row.report
@@ -359,13 +408,19 @@ class Engine:
         report.prefill_s += time.monotonic() - start
         if row.fed < len(row.feed):
             return []
-        row.prefilled = True
         if row.scores:
             report.scored(torch.cat(row.scores))
+        return self._prefilled(row, stream[-1].clone())
+
+    def _prefilled(self, row: _Row, last_stream: torch.Tensor) -> Events:
+        """The end of ``row``'s prefill, ``last_stream`` [D] leaving its last position: its first token,
+        or its end when it only scores."""
+        row.prefilled, row.last_stream = True, last_stream
+        job, decoder = row.job, row.generation.decoder
         if job.max_new_tokens == 0:
-            report.blocks_per_token = [len(row.fixed_blocks)] * len(job.prompt_tokens[1:])
+            row.report.blocks_per_token = [len(row.fixed_blocks)] * len(job.prompt_tokens[1:])
             return self._end(row)
-        logits = decoder.read_out(stream[None, -1:])[0, -1]  # [V]
+        logits = decoder.read_out(last_stream[None, None])[0, -1]  # [V]
         return self._took(row, [row.generation.pick(logits, decoder.blocks)])
 
     def _decode(self, rows: list[_Row]) -> Events:

@@ -11,6 +11,7 @@ import torch
 from lab import generate as lab_generate
 from lab import intmm, tokens
 from lab.blocks import BlockSet
+from lab.decode import Decoder
 from lab.model import GPT
 from lab.sampling import SamplingParams
 from serve.engine import Engine
@@ -224,14 +225,82 @@ def test_prompts_that_arrive_together_start_together_within_the_budget(model):
         engine = Engine(model, prefill_chunk=16, prefill_per_step=per_step)
         engine.add("running", job(max_new_tokens=30, stream=True))
         engine.tick()
-        for name in ("a", "b", "c"):
-            engine.add(name, job(prompt=[7] * 10, max_new_tokens=4, stream=True))
+        for name, token in (("a", 7), ("b", 8), ("c", 9)):  # three prompts: no copies (below)
+            engine.add(name, job(prompt=[token] * 10, max_new_tokens=4, stream=True))
         first: dict[str, int] = {}
         for tick in range(1, 4):
             for key, event in engine.tick():
                 if key != "running" and event["event"] == "token":
                     first.setdefault(key, tick)
         assert [first[name] for name in ("a", "b", "c")] == first_token_ticks
+
+
+def counted_engine(model, **options) -> tuple[Engine, dict[str, int]]:
+    counts: dict[str, int] = {}
+    return Engine(model, lambda name, n: counts.__setitem__(name, counts.get(name, 0) + n), **options), counts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+def test_identical_prompts_are_prefilled_once_with_the_bits_of_their_own(dtype):
+    """Rows with the same prompt under the same prefill (blocks, overwrite, scoring) copy the first
+    one's keys, values, last stream and losses: each row's tokens and score are those it gets alone;
+    other block sets and other prompts prefill their own."""
+    from lab.quantize import quantize
+
+    torch.manual_seed(0)
+    model = GPT(TinyModel(n_layer=N_LAYER).config()).eval()
+    if dtype == "int4":
+        model = quantize(model.to(torch.bfloat16), "int4")
+    jobs = [
+        job("all", temperature=1.0, seed=1, score=True),
+        job("all", temperature=1.0, seed=2, score=True),  # copies the first
+        job("all", temperature=0.0, score=True),  # copies the first
+        job("all", temperature=1.0, seed=3),  # no losses: a prefill of its own, then a twin's
+        job("adaptive=0.9;min=2", temperature=1.0, seed=4),  # runs every block in its prefill: copies
+        job("skip=1", temperature=1.0, seed=5),  # other blocks: its own
+        job("all", prompt=PROMPT[:-1], temperature=1.0, seed=6),  # another prompt: its own
+    ]
+    engine, counts = counted_engine(model)
+    engine.add("first", jobs[0])
+    engine.add("copy", jobs[1])
+    engine.tick()  # both prefilled: the second copied
+    own = Decoder(model, jobs[1].block_set, max_len=len(PROMPT) + jobs[1].max_new_tokens)
+    own_stream = own.extend(PROMPT)  # [T, D]
+    copied = engine.rows[1]
+    cache = copied.generation.decoder.cache
+    assert counts == {"prefills_copied": 1, "tokens_generated": 2}
+    assert torch.equal(cache.k[:, :, :, : len(PROMPT)], own.cache.k[:, :, :, : len(PROMPT)])
+    assert torch.equal(cache.v[:, :, :, : len(PROMPT)], own.cache.v[:, :, :, : len(PROMPT)])
+    assert torch.equal(copied.last_stream, own_stream[-1]) and cache.length == len(PROMPT)
+    engine, counts = counted_engine(model)
+    last, _ = run(engine, jobs)
+    assert counts["prefills_copied"] == 3
+    for position, one in enumerate(jobs):
+        by_itself, _ = run(Engine(model), [one])
+        got, expected = last[position]["response"], by_itself[0]["response"]
+        assert got["tokens"] == expected["tokens"] == alone(model, one), position
+        assert got["score"] == expected["score"], position  # bit for bit, losses and top tokens
+
+
+def test_a_prompt_waits_for_its_twin_ahead_and_copies_it_once_prefilled(model):
+    """While rows decode, prompts advance a chunk a tick; a second copy of a prompt under way takes no
+    chunk of its own, and has its first token in the tick its twin has its."""
+    engine, counts = counted_engine(model, prefill_chunk=4)
+    engine.add("running", job(max_new_tokens=30, stream=True))
+    engine.tick()
+    for name in ("first", "second"):
+        engine.add(name, job(prompt=[7] * 10, max_new_tokens=3, stream=True, temperature=1.0, seed=len(name)))
+    first_token = {}
+    for tick in range(1, 5):
+        for key, event in engine.tick():
+            if key != "running" and event["event"] == "token":
+                first_token.setdefault(key, tick)
+    assert first_token == {"first": 3, "second": 3}  # 10 tokens in chunks of 4: the third tick
+    assert counts["prefills_copied"] == 1
+    last, _ = run(engine, [])
+    for name in ("first", "second"):
+        one = job(prompt=[7] * 10, max_new_tokens=3, temperature=1.0, seed=len(name))
+        assert last[name]["response"]["tokens"] == alone(model, one)
 
 
 def test_rows_need_only_their_own_context(model):
