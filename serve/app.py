@@ -103,8 +103,8 @@ class ServeConfig:
     max_in_flight: int = 64
     """Most requests admitted at once (queued or running); past it, 429 with Retry-After."""
     max_prompts_per_request: int | None = None
-    """Most prompts in one /v1/completions request, each taking a slot of --max-in-flight (default:
-    a quarter of it), so one client cannot take every slot; more get 422."""
+    """Most choices (prompts times n) in one OpenAI request, each taking a slot of --max-in-flight
+    (default: a quarter of it), so one client cannot take every slot; more get 422."""
     queue_timeout: float = 30.0
     """Seconds a request may wait for a worker before it gets 504."""
     request_timeout: float = 300.0

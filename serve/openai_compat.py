@@ -123,7 +123,10 @@ class _Translation:
         needs: frozenset[str] = frozenset(),
     ):
         self.body = body
-        self.prompts = prompts
+        self.n = body.n or 1
+        self.prompts = [
+            prompt for prompt in prompts for _ in range(self.n)
+        ]  # a choice each, in OpenAI's order
         self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         self.names = {
             "prompt_ids": "prompt",
@@ -133,6 +136,16 @@ class _Translation:
         }
         self.needs = needs
         """What the answer needs beyond the requests' own fields (``serve.schema.resolve``)."""
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice ``index``: the body's, moved by the choice's place among its prompt's n
+        (the same seed would draw n copies of one text); None stays None, a seed drawn per request."""
+        seed = self.body.seed
+        return None if seed is None else (seed + index % self.n) % 2**63
+
+    def prompt_tokens(self, counts: list[int]) -> int:
+        """The usage's prompt tokens from each choice's count: each prompt once, as OpenAI counts it."""
+        return sum(counts[:: self.n])
 
     def request(self, prompt: str | list[int], **overrides) -> PredictRequest:
         body = self.body
@@ -212,7 +225,10 @@ class _Route:
         body = translation.body
         # Scoring alone (lm-eval's loglikelihood): the first pass's score is all the logprobs need.
         score_only = logprobs is not None and translation.max_tokens == 0
-        requests = [translation.request(prompt, score=score_only or None) for prompt in translation.prompts]
+        requests = [
+            translation.request(prompt, score=score_only or None, seed=translation.choice_seed(index))
+            for index, prompt in enumerate(translation.prompts)
+        ]
         submissions: list[Submission] = []
         try:
             for request in requests:  # all admitted before any is awaited, so they can share batches
@@ -253,7 +269,7 @@ class _Route:
                 choice["blocklab"] = _blocklab(response)
             whole["choices"].append(choice)
         whole["usage"] = _usage(
-            sum(response["prompt_tokens"] for response in responses),
+            translation.prompt_tokens([response["prompt_tokens"] for response in responses]),
             sum(len(response["tokens"]) for response in responses),
         )
         whole["blocklab"] = _blocklab(responses[0])
@@ -338,7 +354,7 @@ class _Route:
         options = translation.body.stream_options or StreamOptions()
         usage = [0, 0]
         if options.continuous_usage_stats:  # every chunk counts the prompts, known before they run
-            usage[0] = sum(len(_prompt_ids(prompt)) for prompt in translation.prompts)
+            usage[0] = translation.prompt_tokens([len(_prompt_ids(prompt)) for prompt in translation.prompts])
         try:
             event = first
             for index, (prompt, submission) in enumerate(zip(translation.prompts, submissions, strict=True)):
@@ -368,7 +384,7 @@ class _Route:
                     yield chunk({"error": error})
                     return
                 response = event["response"]
-                if not options.continuous_usage_stats:
+                if not options.continuous_usage_stats and index % translation.n == 0:  # each prompt once
                     usage[0] += response["prompt_tokens"]
                 usage[1] += len(response["tokens"])
                 rest = response["text"][len(sent) :]  # bytes of a character still open at the end
@@ -411,6 +427,16 @@ def register(app: FastAPI, front: Front, *, model_name: str, responses: dict) ->
     completion = _Route(front, model_name, "text_completion")
     chat = _Route(front, model_name, "chat.completion")
 
+    def check_slots(prompts: list, n: int | None) -> None:
+        """Each choice takes a slot: one client must leave some (``--max-prompts-per-request``)."""
+        choices = len(prompts) * (n or 1)
+        if choices > front.max_prompts:
+            raise refuse(
+                "n" if n and n > 1 else "prompt",
+                f"at most {front.max_prompts} choices (prompts times n) in one request on this server "
+                f"(--max-prompts-per-request), got {choices}",
+            )
+
     async def completions(request: CompletionRequest, client: Request) -> Response:
         if request.logprobs is not None and request.logprobs > MAX_LOGPROBS:
             raise refuse(
@@ -419,11 +445,7 @@ def register(app: FastAPI, front: Front, *, model_name: str, responses: dict) ->
         if request.logprobs is not None and request.stream:
             raise refuse("logprobs", "not with stream: ask for the whole response")
         prompts = _prompts(request.prompt)
-        if len(prompts) > front.max_prompts:  # each prompt takes a slot: one client must leave some
-            raise refuse(
-                "prompt", f"at most {front.max_prompts} prompts in one request on this server "
-                f"(--max-prompts-per-request), got {len(prompts)}",
-            )  # fmt: skip
+        check_slots(prompts, request.n)
         needs = frozenset({"top_tokens"} if request.logprobs else ())  # the most likely token per position
         translation = _Translation(request, prompts, request.max_tokens, {}, needs)
         return await completion.respond(translation, client, bool(request.echo), request.logprobs)
@@ -432,6 +454,7 @@ def register(app: FastAPI, front: Front, *, model_name: str, responses: dict) ->
         given = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(request, given)
         names = {"max_new_tokens": given, "prompt": "messages"}
+        check_slots([request.messages], request.n)
         translation = _Translation(request, [chat_prompt(request.messages)], max_tokens, names)
         return await chat.respond(translation, client)
 

@@ -53,7 +53,9 @@ class OpenAIRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     user: str | None = Field(None, max_length=256)
-    n: Annotated[int | None, _only(None, 1)] = None
+    n: int | None = Field(
+        None, ge=1, le=MAX_PROMPTS, description="Choices per prompt; identical prompts are prefilled once."
+    )
     presence_penalty: Annotated[float | None, _only(None, 0.0)] = None
     frequency_penalty: Annotated[float | None, _only(None, 0.0)] = None
     logit_bias: Annotated[dict[str, float] | None, _only(None, {})] = None

@@ -244,6 +244,36 @@ def test_prompts_as_lists_become_choices_whole_and_streamed(client):
     assert error(client.post("/v1/completions", json=mixed))["param"] == "prompt"
 
 
+def test_n_choices_per_prompt_are_seeded_apart_and_count_each_prompt_once(client):
+    """n choices of each prompt in OpenAI's order (a prompt's n together), choice j of a seeded body
+    drawn with seed + j, whole and streamed; the usage counts each prompt once, as OpenAI's does."""
+    prompts = ["Hello there", "Hello there, general"]
+    ids = [tokens.encode(prompt) for prompt in prompts]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 5, "temperature": 1.0, "seed": 11, "n": 3}
+    whole = client.post("/v1/completions", json=body).json()
+    assert [choice["index"] for choice in whole["choices"]] == list(range(6))
+    texts = [choice["text"] for choice in whole["choices"]]
+    for index, text in enumerate(texts):
+        alone = predict(
+            client, prompt_ids=ids[index // 3], max_new_tokens=5, temperature=1.0, seed=11 + index % 3
+        )
+        assert text == alone["text"], index
+    assert len(set(texts[:3])) > 1  # a seed each: not n copies of one draw
+    assert whole["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1])
+    stream = body | {"stream": True, "stream_options": {"include_usage": True}}
+    streamed = [""] * 6
+    chunks = sse(client.post("/v1/completions", json=stream))
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            streamed[choice["index"]] += choice["text"]
+    assert streamed == texts
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1])
+    too_many = error(client.post("/v1/completions", json=body | {"n": 9}))  # 2 x 9 > 16 slots
+    assert too_many["param"] == "n" and "at most 16 choices" in too_many["message"]
+    too_many_prompts = error(client.post("/v1/completions", json=body | {"n": None, "prompt": ["a"] * 17}))
+    assert too_many_prompts["param"] == "prompt"
+
+
 def test_explicit_nulls_mean_the_defaults(client):
     nulls = dict.fromkeys(["temperature", "top_p", "stream", "stop", "n", "seed", "logprobs", "echo", "user"])
     answer = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", **nulls})
@@ -270,7 +300,7 @@ def test_sampling_options_reach_the_engine(client):
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": -1.0}, "frequency_penalty"),
@@ -325,7 +355,11 @@ def test_the_openai_client_reads_models_and_errors(server):
         api.models.retrieve("gpt-4")
     assert missing.value.body["param"] == "model"
     with pytest.raises(openai.UnprocessableEntityError) as refused:
-        api.completions.create(model=MODEL, prompt="Hi", n=2)
+        api.completions.create(model=MODEL, prompt="Hi", n=17)  # over the default 16 choices a request
     assert refused.value.body["param"] == "n"
+    several = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=3, max_tokens=3, seed=5
+    )
+    assert [choice.index for choice in several.choices] == [0, 1, 2]
     out = api.completions.create(model=MODEL, prompt=[[15496, 995], [15496]], max_tokens=2, temperature=0)
     assert len(out.choices) == 2 and out.usage.completion_tokens == 4
