@@ -175,6 +175,13 @@ def headline(runs: dict) -> list[tuple[str, str, str]]:
             f"{serve['batching']['mixed_throughput_ratio']:.2f}",
             ">= 2",
         ),
+        (
+            "serve: a 256 + 16-token prompt whose first 256 an ended request had, first token: "
+            "prompt cache / none (gpt2-random int4)",
+            f"{serve['prompt_cache']['copied_over_computed']:.3f} "
+            f"({serve['prompt_cache']['copied_ms']:.1f} vs {serve['prompt_cache']['computed_ms']:.1f} ms)",
+            "",
+        ),
         ("train: Lightning / plain torch step time", f"{runs['train']['results']['ratio']:.3f}", "<= 1.05"),
     ]
     for r in serve["scheduling"]:

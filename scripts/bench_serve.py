@@ -40,6 +40,10 @@ invariance).
    (until ``/health`` is ready), its first request (greedy, 32 new tokens) and the p50 of the
    ``--requests`` after it. Target: the first request after a restart within 2x a warm one.
 
+6. The prompt cache, in-process (``--only prompt-cache``; part of the default run): the first token of
+   a GPT-2-shaped int4 prompt of 256 + 16 tokens whose first 256 a request that ended had (a
+   system prompt), on an engine that copies them (``serve.prompt_cache``) and one that computes them.
+
 Every number is measured in this run against a baseline of this run; the machine's load average is
 reported with them, because on a shared CPU it moves them. The overhead's ratio comes with the 95%
 bootstrap interval over its alternating calls. The scheduler's requests at once each have a prompt of
@@ -67,11 +71,15 @@ import numpy as np
 import torch
 
 from lab import tokens
+from lab.blocks import BlockSet
 from lab.flags import parse
 from lab.measure import ends, interval, latency_ms, resampled, shown
+from lab.sampling import SamplingParams
+from lab.weights import load_model
 from serve.client import Reply, closed_loop, send
+from serve.engine import Engine
 from serve.process import ServerProcess, free_port, save_tiny_model
-from serve.schema import PredictRequest, resolve
+from serve.schema import Job, PredictRequest, resolve
 from serve.shared import SharedState
 from serve.worker import WeightsLoader, Worker
 
@@ -106,7 +114,7 @@ class BenchOptions:
     95% bootstrap interval (one round of a few requests swings these ratios by a fifth or more)."""
     restart_model: str = "gpt2-random:w4a8"
     """MODEL:DTYPE of the restart section."""
-    only: Literal["scheduling", "overhead", "restart"] | None = None
+    only: Literal["scheduling", "overhead", "prompt-cache", "restart"] | None = None
     """Run one section (restart runs only when named)."""
     json: bool = False
     """Print the numbers as JSON."""
@@ -404,6 +412,37 @@ async def scheduling(model: str, dtype: str, invariant: bool = True, rounds: int
     return over_rounds(measured)
 
 
+def prompt_cache(rounds: int = 12, shared: int = 256, own: int = 16) -> dict:
+    """Section 6, in-process (the engine alone: what the cache changes): ms from admission to the
+    first token of a gpt2-random int4 prompt of ``shared`` + ``own`` tokens whose first ``shared``
+    a request that ended had, on an engine with the prompt cache and one without, in turn; a new
+    ``own`` tail each round."""
+    model = load_model("gpt2-random", "int4")
+    rng = torch.Generator().manual_seed(0)
+    system = torch.randint(0, tokens.VOCAB_SIZE, (shared,), generator=rng).tolist()
+
+    def job(tail: list[int]) -> Job:
+        sampling = SamplingParams(seed=0)
+        return Job(system + tail, BlockSet(), 1, sampling, submitted_at=time.monotonic())
+
+    engines = {"copied": Engine(model), "computed": Engine(model, prompt_cache_bytes=0)}
+    for engine in engines.values():
+        list(engine.run([(0, job([1] * own))]))  # warm; leaves the shared tokens' prefill kept
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        tail = torch.randint(0, tokens.VOCAB_SIZE, (own,), generator=rng).tolist()
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            list(engine.run([(0, job(tail))]))
+            times[name].append((time.perf_counter() - start) * 1e3)
+    result = {"shared_tokens": shared, "own_tokens": own}
+    for name, values in times.items():
+        result[f"{name}_ms"] = round(float(np.median(values)), 2)
+        result[f"{name}_ms_interval"] = [round(end, 2) for end in interval(values)]
+    result["copied_over_computed"] = round(result["copied_ms"] / result["computed_ms"], 3)
+    return result
+
+
 RESTART_TOKENS = 32
 
 
@@ -488,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "overhead"):
         with tempfile.TemporaryDirectory() as scratch:
             results["overhead"] = overhead(args.overhead_requests, save_tiny_model(Path(scratch) / "tiny"))
+    if args.only in (None, "prompt-cache"):
+        results["prompt_cache"] = prompt_cache()
     if args.only is None:
         results["batching"] = asyncio.run(throughput_and_skips(args.requests, args.clients, args.new_tokens))
     if args.only == "restart":
@@ -514,6 +555,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{run['first_request_ms']:.0f} ms, then p50 {run['warm_p50_ms']:.0f} ms "
                 f"({run['first_over_warm']:.2f}x; target <= 2 after a restart)"
             )
+    if "prompt_cache" in results:
+        c = results["prompt_cache"]
+        print(
+            f"prompt cache (gpt2-random int4, in-process): a prompt of {c['shared_tokens']} + "
+            f"{c['own_tokens']} tokens whose first {c['shared_tokens']} an ended request had: first "
+            f"token {with_interval(c, 'copied_ms', 1)} ms copied, {with_interval(c, 'computed_ms', 1)} "
+            f"ms computed, {c['copied_over_computed']:.3f}x"
+        )
     if "overhead" not in results:
         return 0
     o = results["overhead"]

@@ -89,6 +89,10 @@ class ServeConfig:
     prefill_per_step: int = 256
     """Prompt tokens prefilled per step while rows decode (one --prefill-chunk per prompt): prompts
     that arrive together start together; running rows wait for these passes."""
+    prompt_cache_mb: float = 256.0
+    """MiB of finished requests' prefills each worker keeps, the least recently used dropped first: a
+    later prompt copies the whole prefill chunks it begins with (identical prompts running together
+    share theirs whatever this is; 0: keep none)."""
     batch_invariant: bool = True
     """Each row's logits bit for bit those it gets alone (lab.rows.rows_alone); off: faster
     matrix-matrix steps with many rows, equal up to rounding."""
@@ -147,6 +151,8 @@ class ServeConfig:
             raise UserError("--warm-up: request lengths of at least 1")
         if min(self.max_batch_size, self.prefill_chunk, self.prefill_per_step) < 1:
             raise UserError("--max-batch-size, --prefill-chunk and --prefill-per-step must be at least 1")
+        if not 0 <= self.prompt_cache_mb < float("inf"):
+            raise UserError(f"--prompt-cache-mb: a number of MiB, at least 0, got {self.prompt_cache_mb}")
         for name in (
             "queue_timeout",
             "request_timeout",
@@ -207,6 +213,7 @@ def build(config: ServeConfig, model_factory: ModelFactory | None = None) -> Ser
         queue_timeout=config.queue_timeout,
         prefill_chunk=config.prefill_chunk,
         prefill_per_step=config.prefill_per_step,
+        prompt_cache_bytes=int(config.prompt_cache_mb * 2**20),
         batch_invariant=config.batch_invariant,
         warm_up=config.warm_up if config.compile else (),
         warm_up_blocks=config.default_blocks,

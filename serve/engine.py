@@ -12,8 +12,9 @@ iteration-level scheduling, as vLLM, TGI and SGLang do it). Each tick:
    as the context holds). A long prompt thus holds the running rows back for one chunk's pass per
    tick, not for its whole prefill, and prompts that arrive together start together instead of one
    tick apart; chunk boundaries depend on the prompt alone, so a prompt's losses are the same
-   whatever else is running. A prompt that another row has too, under the same prefill, is not
-   prefilled again: the row copies the other's once it is done (``_Row._twin_key``, ``_copy``);
+   whatever else is running. What another prefill under the same blocks already computed is
+   copied, not computed again (``serve.prompt_cache``): a whole identical prompt (waiting for a
+   row ahead that prefills it), or the whole chunks a prompt begins with, of rows running or ended;
 3. decode: every prefilled row takes one step together, whatever its block set
    (``lab.decode.decode_rows``): block i runs on the rows whose set includes it, exit rows stop at
    their block, adaptive rows decide per token; a speculating row runs a round of its own.
@@ -51,6 +52,7 @@ from lab.generate import Generation, Step
 from lab.model import GPT, KVCache
 from lab.rows import rows_alone
 from lab.sampling import SamplingError
+from serve.prompt_cache import Prefill, PromptCache
 from serve.schema import (
     DoneEvent,
     Job,
@@ -67,6 +69,7 @@ logger = logging.getLogger(__name__)
 COUNTERS = (
     "tokens_generated",
     "prefills_copied",
+    "prompt_tokens_copied",
     "batches_split",
     "requests_done",
     "requests_failed",
@@ -206,22 +209,36 @@ class _Row:
         self.scores: list[torch.Tensor] = []  # per prefill chunk, _scores' [n, 3]
         self.prefilled = False
         self.last_stream: torch.Tensor | None = None  # [D]: the prompt's last position leaving the blocks
-        self.twin_key = self._twin_key(model)
+        self.setting = self._setting(model)
 
-    def _twin_key(self, model: GPT) -> Hashable | None:
-        """What makes two rows' prefills one computation, bit for bit: the tokens fed, the blocks run
-        and those that overwrite (the prefill's set: an adaptive row's runs all its blocks), whether
-        the prompt's losses are read out; and fed from position 0 in the same chunks, as every row
-        is. None where a prefill is not copied: a cache of lab.fast's (a tensor per layer), adaptive
-        exit's scoring pass (its own), hooks on the model (they would see one prefill of the two)."""
+    def _setting(self, model: GPT) -> Hashable | None:
+        """What a prefill computes besides its tokens: the blocks it runs and those that overwrite
+        (the prefill's set: an adaptive row's runs all its blocks). None where a row's prefill is
+        neither copied nor kept (``serve.prompt_cache``): a cache of lab.fast's (a tensor per layer),
+        adaptive exit's scoring pass (its own), hooks on the model (they would see one prefill of two)."""
         decoder = self.generation.decoder
         if not isinstance(decoder.cache, KVCache) or self.scoring and self.job.block_set.is_adaptive:
             return None
         if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
             return None
         prefill_set = decoder.prefill_set
-        blocks = tuple(prefill_set.blocks_to_run(model.config.n_layer))
-        return tuple(self.feed), blocks, frozenset(prefill_set.overwrite), bool(self.loss_targets)
+        return tuple(prefill_set.blocks_to_run(model.config.n_layer)), frozenset(prefill_set.overwrite)
+
+    def prefill(self) -> Prefill:
+        """Its prefill as another row copies it (views of its cache: for as long as the row runs)."""
+        cache, end = self.generation.decoder.cache, len(self.feed)
+        scored = tuple(self.loss_targets) or None
+        return Prefill(
+            self.setting, tuple(self.feed), cache.k[:, :, :, :end], cache.v[:, :, :, :end],
+            self.last_stream, scored, self.reader, None if scored is None else tuple(self.scores),
+        )  # fmt: skip
+
+    @property
+    def reader(self) -> Hashable:
+        """What its prompt's losses are read out through: the tuned lens's translator of its
+        prefill's last block (lens=tuned), or None."""
+        decoder = self.generation.decoder
+        return decoder.exit_translator(len(decoder.blocks))
 
     @property
     def speculating(self) -> bool:
@@ -240,8 +257,10 @@ class Engine:
         prefill_chunk: int = 64,
         prefill_per_step: int = 256,
         batch_invariant: bool = True,
+        prompt_cache_bytes: int = 256 << 20,
     ):
         self.model = model
+        self.prompt_cache = PromptCache(prompt_cache_bytes)  # the prefills of rows that ended
         self.tally = tally
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
@@ -283,11 +302,14 @@ class Engine:
             decoding = [row for row in self.rows if row.prefilled]
             budget = self.prefill_per_step if decoding else self.model.config.block_size
             for row in [row for row in self.rows if not row.prefilled]:
-                twin = self._twin(row)
-                if twin is not None:  # the same prompt: copied once prefilled, in no pass of its own
-                    if twin.prefilled and row in self.rows:
-                        yield self._counted(self._guarded(row, lambda row, twin=twin: self._copy(row, twin)))
-                    continue
+                if row.fed == 0 and row.setting is not None and row in self.rows:
+                    source = self._source(row)
+                    if source is None and self._twin_ahead(row):
+                        continue  # copied from its twin once that is prefilled, in no pass of its own
+                    if source is not None:
+                        yield self._counted(
+                            self._guarded(row, lambda row, source=source: self._copy(row, *source))
+                        )
                 while budget > 0 and not row.prefilled and row in self.rows:
                     budget -= min(self.prefill_chunk, len(row.feed) - row.fed)
                     yield self._counted(self._guarded(row, self._prefill_chunk))
@@ -357,35 +379,60 @@ class Engine:
         try:
             return work(row)
         except Exception as error:
-            self.rows.remove(row)
+            if row in self.rows:  # its end may have removed it before the error
+                self.rows.remove(row)
             return [_failed(row.key, error)]
 
-    def _twin(self, row: _Row) -> _Row | None:
-        """A row whose prefill is the one ``row`` has still to make in full (``_Row._twin_key``):
-        prefilled, or ahead of it in arrival order and under way (then ``row`` waits for it); None
-        for a row with a prefill of its own to make."""
-        if row.fed > 0 or row.twin_key is None:
-            return None
-        twins = [other for other in self.rows if other is not row and other.twin_key == row.twin_key]
-        prefilled = [other for other in twins if other.prefilled]
-        if prefilled:
-            return prefilled[0]
-        ahead = self.rows[: self.rows.index(row)]
-        return next((other for other in twins if other in ahead), None)
+    def _source(self, row: _Row) -> tuple[Prefill, int] | None:
+        """The prefill ``row`` copies most positions of (``serve.prompt_cache``), of the rows prefilled
+        beside it or of those that ended, and how many; None where it copies nothing. A row that would
+        copy only part looks no further than prefills that begin with its first chunk."""
+        chunk, first = self.prefill_chunk, row.feed[: self.prefill_chunk]
+        live = [other.prefill() for other in self.rows if other.prefilled and other.setting == row.setting]
+        candidates = [
+            p for p in live + self.prompt_cache.under(row.setting) if p.tokens[:chunk] == tuple(first)
+        ]
+        best, most = None, 0
+        for prefill in candidates:
+            usable = prefill.usable(row.feed, row.loss_targets, row.reader, chunk)
+            if usable > most:
+                best, most = prefill, usable
+        return None if best is None else (best, most)
 
-    def _copy(self, row: _Row, twin: _Row) -> Events:
-        """``row``'s prefill from its prefilled ``twin``'s: the prompt's keys and values, the stream
-        leaving its last position and its losses, the same bits ``row``'s own prefill would give."""
+    def _twin_ahead(self, row: _Row) -> bool:
+        """Whether a row ahead of ``row`` in arrival order prefills what ``row`` would copy whole once
+        it is done (its tokens, and its loss targets and read-out when ``row`` scores them), and will
+        still hold it then: running on, or kept by the prompt cache when it ends at its prefill."""
+        return any(
+            other.setting == row.setting and not other.prefilled and other.feed == row.feed
+            and (not row.loss_targets or (other.loss_targets, other.reader) == (row.loss_targets, row.reader))
+            and (other.job.max_new_tokens > 1 or self.prompt_cache.max_bytes > 0)
+            for other in self.rows[: self.rows.index(row)]
+        )  # fmt: skip
+
+    def _copy(self, row: _Row, prefill: Prefill, count: int) -> Events:
+        """``row``'s first ``count`` positions from ``prefill`` (``Prefill.usable``): their keys and
+        values and, when it scores, their chunks' losses; when that is all of them, the stream leaving
+        the last one too, and ``row`` is prefilled. The same bits its own prefill gives."""
         start = time.monotonic()
-        end = len(row.feed)
-        mine, theirs = row.generation.decoder.cache, twin.generation.decoder.cache
-        mine.k[:, :, :, :end] = theirs.k[:, :, :, :end]  # [L, 1, H, end, Dh]
-        mine.v[:, :, :, :end] = theirs.v[:, :, :, :end]
-        mine.length = row.fed = end
-        row.report.score = twin.report.score
+        cache = row.generation.decoder.cache
+        cache.k[:, :, :, :count] = prefill.keys[:, :, :, :count]  # [L, 1, H, count, Dh]
+        cache.v[:, :, :, :count] = prefill.values[:, :, :, :count]
+        cache.length = row.fed = count
+        whole = count == len(row.feed)
+        if row.loss_targets:
+            row.scores = list(
+                prefill.chunk_scores if whole else prefill.chunk_scores[: count // self.prefill_chunk]
+            )
+        self.prompt_cache.used(prefill)
+        self.tally("prompt_tokens_copied", count)
         row.report.prefill_s += time.monotonic() - start
+        if not whole:
+            return []
         self.tally("prefills_copied", 1)
-        return self._prefilled(row, twin.last_stream)
+        if row.scores:
+            row.report.scored(torch.cat(row.scores))
+        return self._prefilled(row, prefill.last_stream)
 
     def _prefill_chunk(self, row: _Row) -> Events:
         """The row's next chunk of prompt; at the end of the prompt its score and first token."""
@@ -464,4 +511,6 @@ class Engine:
 
     def _end(self, row: _Row) -> Events:
         self.rows.remove(row)
+        if row.prefilled and row.setting is not None and self.prompt_cache.max_bytes > 0:
+            self.prompt_cache.keep(row.prefill().kept())
         return [(row.key, row.report.done(row.generation, row.fixed_blocks))]

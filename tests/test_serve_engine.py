@@ -255,7 +255,7 @@ def test_identical_prompts_are_prefilled_once_with_the_bits_of_their_own(dtype):
         job("all", temperature=1.0, seed=1, score=True),
         job("all", temperature=1.0, seed=2, score=True),  # copies the first
         job("all", temperature=0.0, score=True),  # copies the first
-        job("all", temperature=1.0, seed=3),  # no losses: a prefill of its own, then a twin's
+        job("all", temperature=1.0, seed=3),  # no losses: copies the first all the same
         job("adaptive=0.9;min=2", temperature=1.0, seed=4),  # runs every block in its prefill: copies
         job("skip=1", temperature=1.0, seed=5),  # other blocks: its own
         job("all", prompt=PROMPT[:-1], temperature=1.0, seed=6),  # another prompt: its own
@@ -268,13 +268,13 @@ def test_identical_prompts_are_prefilled_once_with_the_bits_of_their_own(dtype):
     own_stream = own.extend(PROMPT)  # [T, D]
     copied = engine.rows[1]
     cache = copied.generation.decoder.cache
-    assert counts == {"prefills_copied": 1, "tokens_generated": 2}
+    assert counts == {"prefills_copied": 1, "prompt_tokens_copied": len(PROMPT), "tokens_generated": 2}
     assert torch.equal(cache.k[:, :, :, : len(PROMPT)], own.cache.k[:, :, :, : len(PROMPT)])
     assert torch.equal(cache.v[:, :, :, : len(PROMPT)], own.cache.v[:, :, :, : len(PROMPT)])
     assert torch.equal(copied.last_stream, own_stream[-1]) and cache.length == len(PROMPT)
     engine, counts = counted_engine(model)
     last, _ = run(engine, jobs)
-    assert counts["prefills_copied"] == 3
+    assert counts["prefills_copied"] == 4
     for position, one in enumerate(jobs):
         by_itself, _ = run(Engine(model), [one])
         got, expected = last[position]["response"], by_itself[0]["response"]
@@ -301,6 +301,97 @@ def test_a_prompt_waits_for_its_twin_ahead_and_copies_it_once_prefilled(model):
     for name in ("first", "second"):
         one = job(prompt=[7] * 10, max_new_tokens=3, temperature=1.0, seed=len(name))
         assert last[name]["response"]["tokens"] == alone(model, one)
+
+
+def test_a_prompt_copies_the_whole_chunks_it_shares_and_prefills_the_rest(model):
+    """A prompt sharing 8 tokens with a running one copies them (two chunks of 4) and prefills the
+    rest; scoring, the second chunk's losses read the 9th token, which the two do not share, so it
+    copies the first chunk alone. Tokens, losses and caches are those of its own prefill."""
+    shared = tokens.encode("The quick brown fox jumps over the lazy dog")[:8]
+    for score, copied in ((False, 8), (True, 4)):
+        engine, counts = counted_engine(model, prefill_chunk=4)
+        first = job(prompt=[*shared, 11, 12], max_new_tokens=8, score=score)
+        engine.add("first", first)
+        engine.tick()
+        second = job(prompt=[*shared, 13, 14, 15], max_new_tokens=4, score=score, temperature=1.0, seed=2)
+        engine.add("second", second)
+        while not engine.rows[1].prefilled:  # copies, then prefills a chunk a tick
+            engine.tick()
+        assert counts["prompt_tokens_copied"] == copied and "prefills_copied" not in counts
+        own = Decoder(model, second.block_set, max_len=64)
+        for start in range(0, len(second.prompt_tokens), 4):  # in the engine's chunks
+            own.extend(second.prompt_tokens[start : start + 4])
+        cache = engine.rows[1].generation.decoder.cache
+        end = len(second.prompt_tokens)
+        assert torch.equal(cache.k[:, :, :, :end], own.cache.k[:, :, :, :end])
+        last, _ = run(engine, [])
+        by_itself, _ = run(Engine(model, prefill_chunk=4), [second])
+        assert last["second"]["response"]["tokens"] == by_itself[0]["response"]["tokens"]
+        assert last["second"]["response"]["score"] == by_itself[0]["response"]["score"]
+
+
+def test_a_copy_scores_only_what_its_own_prefill_would():
+    """Losses are copied only where the targets and the read-out are the same: a score-only request
+    of the prompt and one token more feeds the same tokens but reads one target more, and exit=2
+    under lens=tuned reads its losses out through a translator that exit=2 lacks."""
+    torch.manual_seed(0)
+    model = GPT(TinyModel(n_layer=N_LAYER).config()).eval()
+    model.tuned_lens = random_lens(model)
+    pairs = [
+        [job("all", score=True), job("all", prompt=[*PROMPT, 7], max_new_tokens=0)],
+        [job("exit=2", score=True), job("exit=2;lens=tuned", score=True)],
+        [job("exit=2;lens=tuned", score=True), job("exit=2", score=True)],
+    ]
+    for pair in pairs:
+        last, _ = run(Engine(model), pair)
+        for position, one in enumerate(pair):
+            by_itself, _ = run(Engine(model), [one])
+            assert last[position]["response"]["score"] == by_itself[0]["response"]["score"], pair
+
+
+def test_twins_that_end_at_their_prefill_are_copied_from_the_prompt_cache(model):
+    """Identical prompts of one new token each (OpenAI's n with max_tokens 1): the first ends at its
+    prefill, and the others copy it from the prompt cache in the same tick; without a cache they
+    do not wait for it, and prefill side by side."""
+    for cache_bytes, copies in ((256 << 20, 3), (0, 0)):
+        engine, counts = counted_engine(model, prefill_chunk=8, prompt_cache_bytes=cache_bytes)
+        engine.add("running", job(max_new_tokens=30))
+        engine.tick()
+        for name in "abcd":
+            engine.add(name, job(prompt=[7] * 33, max_new_tokens=1))
+        done = {}
+        for tick in range(1, 8):
+            for key, event in engine.tick():
+                if event["event"] == "done" and key != "running":
+                    done[key] = tick
+        assert done == dict.fromkeys("abcd", 5)  # 33 tokens in chunks of 8: the fifth tick, together
+        assert counts.get("prefills_copied", 0) == copies
+
+
+def test_a_prefill_outlives_its_row_within_the_prompt_caches_bytes(model):
+    """A row that ended leaves its prefill: a later row of the same prompt copies it, bit for bit;
+    none is kept with a budget of 0 bytes, and the least recently used goes past the budget."""
+    one, other = job(max_new_tokens=2), job(prompt=PROMPT[:-1], max_new_tokens=2)
+    later = job(max_new_tokens=5, temperature=1.0, seed=9)
+    engine, counts = counted_engine(model)
+    run(engine, [one])
+    last, _ = run(engine, [later])
+    assert counts["prefills_copied"] == 1 and engine.prompt_cache.nbytes > 0
+    assert last[0]["response"]["tokens"] == alone(model, later)
+    engine, counts = counted_engine(model, prompt_cache_bytes=0)
+    run(engine, [one])
+    run(engine, [later])
+    assert "prefills_copied" not in counts and engine.prompt_cache.nbytes == 0
+    size = next(iter(counted_engine(model)[0].prompt_cache.prefills.values()), None)  # none yet
+    assert size is None
+    probe, _ = counted_engine(model)
+    run(probe, [one])
+    budget = probe.prompt_cache.nbytes + 1  # one prefill of PROMPT, not two
+    engine, counts = counted_engine(model, prompt_cache_bytes=budget)
+    run(engine, [one])
+    run(engine, [other])  # evicts the first
+    run(engine, [later])
+    assert "prefills_copied" not in counts
 
 
 def test_rows_need_only_their_own_context(model):
