@@ -89,7 +89,7 @@ class ServeConfig:
     prefill_per_step: int = 256
     """Prompt tokens prefilled per step while rows decode (one --prefill-chunk per prompt): prompts
     that arrive together start together; running rows wait for these passes."""
-    prompt_cache_mb: float = 256.0
+    prompt_cache_mb: float = 64.0
     """MiB of finished requests' prefills each worker keeps, the least recently used dropped first: a
     later prompt copies the whole prefill chunks it begins with (identical prompts running together
     share theirs whatever this is; 0: keep none)."""

@@ -70,13 +70,15 @@ COUNTERS = (
     "tokens_generated",
     "prefills_copied",
     "prompt_tokens_copied",
+    "prompt_cache_bytes",
     "batches_split",
     "requests_done",
     "requests_failed",
     "requests_cancelled",
     "requests_timed_out",
 )
-"""What the engine counts; the server sums each over its workers at ``GET /stats``."""
+"""What the engine counts; the server sums each over its workers at ``GET /stats``
+(``prompt_cache_bytes``: the bytes its prompt cache holds now, counted up and down)."""
 
 TOKEN_GAPS = "token_gaps_s"
 """The key of a done event beside its response: the seconds between its tokens, for the server's
@@ -257,7 +259,7 @@ class Engine:
         prefill_chunk: int = 64,
         prefill_per_step: int = 256,
         batch_invariant: bool = True,
-        prompt_cache_bytes: int = 256 << 20,
+        prompt_cache_bytes: int = 64 << 20,
     ):
         self.model = model
         self.prompt_cache = PromptCache(prompt_cache_bytes)  # the prefills of rows that ended
@@ -512,5 +514,5 @@ class Engine:
     def _end(self, row: _Row) -> Events:
         self.rows.remove(row)
         if row.prefilled and row.setting is not None and self.prompt_cache.max_bytes > 0:
-            self.prompt_cache.keep(row.prefill().kept())
+            self.tally("prompt_cache_bytes", self.prompt_cache.keep(row.prefill().kept()))
         return [(row.key, row.report.done(row.generation, row.fixed_blocks))]

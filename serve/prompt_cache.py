@@ -78,9 +78,12 @@ class PromptCache:
         self.prefills: OrderedDict[tuple[Hashable, tuple[int, ...]], Prefill] = OrderedDict()
         self.nbytes = 0
 
-    def keep(self, prefill: Prefill) -> None:
+    def keep(self, prefill: Prefill) -> int:
+        """Keep ``prefill`` (unless it alone is over the budget), dropping the least recently used
+        past it; the change in the bytes kept."""
+        before = self.nbytes
         if prefill.nbytes > self.max_bytes:
-            return
+            return 0
         key = (prefill.setting, prefill.tokens)
         if key in self.prefills:
             old = self.prefills.pop(key)
@@ -92,6 +95,7 @@ class PromptCache:
         while self.nbytes > self.max_bytes:
             _, evicted = self.prefills.popitem(last=False)
             self.nbytes -= evicted.nbytes
+        return self.nbytes - before
 
     def under(self, setting: Hashable) -> list[Prefill]:
         """The prefills kept under ``setting``."""

@@ -92,7 +92,7 @@ class Worker:
         max_threads: int | None = None,
         prefill_chunk: int = 64,
         prefill_per_step: int = 256,
-        prompt_cache_bytes: int = 256 << 20,
+        prompt_cache_bytes: int = 64 << 20,
         batch_invariant: bool = True,
         warm_up: tuple[int, ...] = (),
         warm_up_blocks: str | None = None,

@@ -377,6 +377,7 @@ def test_a_prefill_outlives_its_row_within_the_prompt_caches_bytes(model):
     run(engine, [one])
     last, _ = run(engine, [later])
     assert counts["prefills_copied"] == 1 and engine.prompt_cache.nbytes > 0
+    assert counts["prompt_cache_bytes"] == engine.prompt_cache.nbytes  # what /stats sums
     assert last[0]["response"]["tokens"] == alone(model, later)
     engine, counts = counted_engine(model, prompt_cache_bytes=0)
     run(engine, [one])
@@ -392,6 +393,7 @@ def test_a_prefill_outlives_its_row_within_the_prompt_caches_bytes(model):
     run(engine, [other])  # evicts the first
     run(engine, [later])
     assert "prefills_copied" not in counts
+    assert counts["prompt_cache_bytes"] == engine.prompt_cache.nbytes <= budget
 
 
 def test_rows_need_only_their_own_context(model):
