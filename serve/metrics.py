@@ -31,6 +31,9 @@ blocklab's own, by block-set ``kind`` (``kind_of``: ``all``, ``skip``, ``exit``,
   (``serve.http_front.OUTCOMES``);
 - ``blocklab:requests_shed_total{status, reason}``: refused before running (413 ``payload``, 429
   ``in_flight``, 503 ``loading`` or ``connections``);
+- ``blocklab:prefills_copied_total``, ``blocklab:prompt_tokens_copied_total`` and the gauge
+  ``blocklab:prompt_cache_bytes``: the workers' prompt caches (``serve.prompt_cache``), read when
+  scraped;
 - ``blocklab:http_request_duration_seconds{route, method, status}``: every HTTP request, by the
   route's path template (``other`` for paths no route has), from its start to its last byte
   (observed by ``serve.http_front.HttpMetricsMiddleware``);
@@ -50,6 +53,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import Response
 
 from lab.blocks import BlockSet
@@ -172,9 +176,11 @@ class Metrics:
                              registry=registry)  # fmt: skip
 
     def watch(self, counts: Callable[[], dict]) -> None:
-        """Read ``running`` and ``waiting`` from ``counts()`` (the pool's stats) at each scrape."""
+        """Read ``running`` and ``waiting`` from ``counts()`` (the pool's stats) at each scrape, and
+        the workers' prompt-cache counters (``_PromptCacheCounts``)."""
         self.running.labels(self.model_name).set_function(lambda: counts()["running"])
         self.waiting.labels(self.model_name).set_function(lambda: counts()["waiting"])
+        self.registry.register(_PromptCacheCounts(counts, self.model_name))
 
     def ended(self, job: Job, outcome: str, last: dict | None, token_gaps: list[float], n_layer: int) -> None:
         """An admitted request of a model of ``n_layer`` blocks ended (``outcome``); ``last``: its done
@@ -221,3 +227,30 @@ class Metrics:
     def exposition(self) -> Response:
         """The registry in Prometheus' text format (what ``GET /metrics`` answers)."""
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _PromptCacheCounts:
+    """The workers' prompt-cache counters (``serve.engine.COUNTERS``), read from the pool's stats at
+    each scrape: ``blocklab:prefills_copied_total`` (whole prompts),
+    ``blocklab:prompt_tokens_copied_total`` (their positions, and those of runs of whole chunks) and
+    the gauge ``blocklab:prompt_cache_bytes`` (what the caches hold now; ``serve.prompt_cache``)."""
+
+    FAMILIES = (
+        (CounterMetricFamily, "blocklab:prefills_copied", "Prompts whose whole prefill was copied.",
+         "prefills_copied"),
+        (CounterMetricFamily, "blocklab:prompt_tokens_copied", "Prompt positions copied, not computed.",
+         "prompt_tokens_copied"),
+        (GaugeMetricFamily, "blocklab:prompt_cache_bytes", "Bytes the prompt caches hold.",
+         "prompt_cache_bytes"),
+    )  # fmt: skip
+
+    def __init__(self, counts: Callable[[], dict], model_name: str):
+        self.counts = counts
+        self.model_name = model_name
+
+    def collect(self):
+        counts = self.counts()
+        for family_type, name, doc, key in self.FAMILIES:
+            family = family_type(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], counts.get(key, 0))
+            yield family

@@ -141,3 +141,19 @@ def test_the_counts_under_load_equal_the_requests_sent():
             assert after["vllm:num_requests_running", ()] == 0 and after["vllm:num_requests_waiting", ()] == 0
 
         settle(server, check)
+
+
+def test_the_prompt_caches_counts_are_scraped_as_the_workers_count_them():
+    """A prompt sent again after its request ended is copied from the worker's prompt cache: the
+    scrape counts it as /stats does, and the bytes the cache holds."""
+    with ServerProcess(["--threads", "1"], model_factory=TinyModel()) as server:
+        body = {"prompt": "The quick brown fox jumps over the lazy dog", "max_new_tokens": 2}
+        before = samples(httpx.get(server.url + "/metrics", timeout=10).text)
+        for _ in range(2):
+            assert httpx.post(server.url + "/predict", json=body, timeout=30).status_code == 200
+        after = samples(httpx.get(server.url + "/metrics", timeout=10).text)
+        stats = httpx.get(server.url + "/stats", timeout=10).json()
+    assert delta(before, after, "blocklab:prefills_copied_total") == 1 == stats["prefills_copied"]
+    copied = delta(before, after, "blocklab:prompt_tokens_copied_total")
+    assert copied == stats["prompt_tokens_copied"] > 0
+    assert after["blocklab:prompt_cache_bytes", ()] == stats["prompt_cache_bytes"] > 0
