@@ -77,8 +77,11 @@ COUNTERS = (
     "requests_cancelled",
     "requests_timed_out",
 )
-"""What the engine counts; the server sums each over its workers at ``GET /stats``
-(``prompt_cache_bytes``: the bytes its prompt cache holds now, counted up and down)."""
+"""What the engine counts; the server sums each over its workers at ``GET /stats``."""
+
+LEVELS = ("prompt_cache_bytes",)
+"""The ``COUNTERS`` that say what is held now (the bytes of the prompt cache, counted up and down),
+not what happened: a worker that replaces another starts them again from 0."""
 
 TOKEN_GAPS = "token_gaps_s"
 """The key of a done event beside its response: the seconds between its tokens, for the server's
@@ -262,7 +265,8 @@ class Engine:
         prompt_cache_bytes: int = 64 << 20,
     ):
         self.model = model
-        self.prompt_cache = PromptCache(prompt_cache_bytes)  # the prefills of rows that ended
+        self.prompt_cache = PromptCache(prompt_cache_bytes, prefill_chunk)  # the prefills of rows that ended
+        self.ended_now: list[Prefill] = []  # this tick's ended rows' prefills, whatever the cache keeps
         self.tally = tally
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
@@ -300,13 +304,15 @@ class Engine:
         step), so that a caller can send each part's events at once: a prompt's first token leaves
         when its prefill ends, not when the tick does."""
         with torch.inference_mode():
+            self.ended_now = []
             yield self._counted(self._retire())
             decoding = [row for row in self.rows if row.prefilled]
             budget = self.prefill_per_step if decoding else self.model.config.block_size
             for row in [row for row in self.rows if not row.prefilled]:
                 if row.fed == 0 and row.setting is not None and row in self.rows:
                     source = self._source(row)
-                    if source is None and self._twin_ahead(row):
+                    whole = source is not None and source[1] == len(row.feed)
+                    if not whole and self._twin_ahead(row):
                         continue  # copied from its twin once that is prefilled, in no pass of its own
                     if source is not None:
                         yield self._counted(
@@ -391,9 +397,8 @@ class Engine:
         copy only part looks no further than prefills that begin with its first chunk."""
         chunk, first = self.prefill_chunk, row.feed[: self.prefill_chunk]
         live = [other.prefill() for other in self.rows if other.prefilled and other.setting == row.setting]
-        candidates = [
-            p for p in live + self.prompt_cache.under(row.setting) if p.tokens[:chunk] == tuple(first)
-        ]
+        kept = self.prompt_cache.beginning(row.setting, first)
+        candidates = [p for p in live + self.ended_now + kept if p.tokens[:chunk] == tuple(first)]
         best, most = None, 0
         for prefill in candidates:
             usable = prefill.usable(row.feed, row.loss_targets, row.reader, chunk)
@@ -403,12 +408,11 @@ class Engine:
 
     def _twin_ahead(self, row: _Row) -> bool:
         """Whether a row ahead of ``row`` in arrival order prefills what ``row`` would copy whole once
-        it is done (its tokens, and its loss targets and read-out when ``row`` scores them), and will
-        still hold it then: running on, or kept by the prompt cache when it ends at its prefill."""
+        it is done (its tokens, and its loss targets and read-out when ``row`` scores them). Done, it
+        runs on, or it ended in the same tick, before ``row``'s turn (``ended_now``)."""
         return any(
             other.setting == row.setting and not other.prefilled and other.feed == row.feed
             and (not row.loss_targets or (other.loss_targets, other.reader) == (row.loss_targets, row.reader))
-            and (other.job.max_new_tokens > 1 or self.prompt_cache.max_bytes > 0)
             for other in self.rows[: self.rows.index(row)]
         )  # fmt: skip
 
@@ -513,6 +517,8 @@ class Engine:
 
     def _end(self, row: _Row) -> Events:
         self.rows.remove(row)
-        if row.prefilled and row.setting is not None and self.prompt_cache.max_bytes > 0:
-            self.tally("prompt_cache_bytes", self.prompt_cache.keep(row.prefill().kept()))
+        if row.prefilled and row.setting is not None:
+            self.ended_now.append(row.prefill())  # views of its cache: for this tick's waiting twins
+            if self.prompt_cache.max_bytes > 0:
+                self.tally("prompt_cache_bytes", self.prompt_cache.keep(row.prefill().kept()))
         return [(row.key, row.report.done(row.generation, row.fixed_blocks))]

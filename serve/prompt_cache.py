@@ -71,11 +71,13 @@ class Prefill:
 
 class PromptCache:
     """The prefills of rows that ended, at most ``max_bytes`` of them: the least recently used go
-    first."""
+    first. Found by their setting and first ``chunk`` tokens (a copy shares at least those)."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, chunk: int):
         self.max_bytes = max_bytes
+        self.chunk = chunk
         self.prefills: OrderedDict[tuple[Hashable, tuple[int, ...]], Prefill] = OrderedDict()
+        self.starts: dict[tuple[Hashable, tuple[int, ...]], dict[tuple, None]] = {}  # -> their keys
         self.nbytes = 0
 
     def keep(self, prefill: Prefill) -> int:
@@ -91,15 +93,24 @@ class PromptCache:
             if old.chunk_scores is not None and prefill.chunk_scores is None:
                 prefill = old  # the one with losses serves rows that score too
         self.prefills[key] = prefill
+        self.starts.setdefault(self._start(key), {})[key] = None
         self.nbytes += prefill.nbytes
         while self.nbytes > self.max_bytes:
-            _, evicted = self.prefills.popitem(last=False)
+            evicted_key, evicted = self.prefills.popitem(last=False)
             self.nbytes -= evicted.nbytes
+            keys = self.starts[self._start(evicted_key)]
+            del keys[evicted_key]
+            if not keys:
+                del self.starts[self._start(evicted_key)]
         return self.nbytes - before
 
-    def under(self, setting: Hashable) -> list[Prefill]:
-        """The prefills kept under ``setting``."""
-        return [prefill for (kept, _), prefill in self.prefills.items() if kept == setting]
+    def _start(self, key: tuple[Hashable, tuple[int, ...]]) -> tuple[Hashable, tuple[int, ...]]:
+        setting, tokens = key
+        return setting, tokens[: self.chunk]
+
+    def beginning(self, setting: Hashable, first: list[int]) -> list[Prefill]:
+        """The prefills kept under ``setting`` whose first chunk is ``first``."""
+        return [self.prefills[key] for key in self.starts.get((setting, tuple(first[: self.chunk])), ())]
 
     def used(self, prefill: Prefill) -> None:
         """Mark ``prefill`` (one of these) as the most recently used."""

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from lab.model import GPT
 from lab.quantize import parameter_count
-from serve.engine import COUNTERS, Tally
+from serve.engine import COUNTERS, LEVELS, Tally
 from serve.schema import ModelLimits
 
 
@@ -25,7 +25,7 @@ class SharedState:
     it, so the HTTP side knows which jobs a worker holds without a message (which would wake it).
     ``counters``: a row of ``engine.COUNTERS`` per worker, written only by that worker (no lock,
     which a worker killed while holding it would leave locked); a replaced worker continues its
-    predecessor's row.
+    predecessor's row, but for ``engine.LEVELS``, which it starts again from 0.
     """
 
     MAX_WORKERS = 64
@@ -52,13 +52,16 @@ class SharedState:
         return self.taken[slot] == ticket
 
     def tally(self, worker_id: int) -> Tally:
-        """The engine's ``Tally`` for worker ``worker_id``: adds to that worker's row of counters."""
+        """The engine's ``Tally`` for worker ``worker_id``: adds to that worker's row of counters (its
+        ``LEVELS`` zeroed: a new engine holds nothing yet)."""
         row = worker_id * len(COUNTERS)
         columns = {name: row + column for column, name in enumerate(COUNTERS)}
 
         def add(name: str, count: int) -> None:
             self.counters[columns[name]] += count
 
+        for name in LEVELS:  # what a predecessor held is gone with it
+            self.counters[columns[name]] = 0
         return add
 
     def totals(self) -> dict[str, int]:

@@ -349,11 +349,11 @@ def test_a_copy_scores_only_what_its_own_prefill_would():
             assert last[position]["response"]["score"] == by_itself[0]["response"]["score"], pair
 
 
-def test_twins_that_end_at_their_prefill_are_copied_from_the_prompt_cache(model):
+def test_twins_that_end_at_their_prefill_are_copied_in_the_same_tick(model):
     """Identical prompts of one new token each (OpenAI's n with max_tokens 1): the first ends at its
-    prefill, and the others copy it from the prompt cache in the same tick; without a cache they
-    do not wait for it, and prefill side by side."""
-    for cache_bytes, copies in ((256 << 20, 3), (0, 0)):
+    prefill, and the others, which waited for it, copy it in the same tick, whether or not the
+    prompt cache keeps it (0 bytes: it does not)."""
+    for cache_bytes, copies in ((256 << 20, 3), (0, 3)):
         engine, counts = counted_engine(model, prefill_chunk=8, prompt_cache_bytes=cache_bytes)
         engine.add("running", job(max_new_tokens=30))
         engine.tick()
@@ -366,6 +366,22 @@ def test_twins_that_end_at_their_prefill_are_copied_from_the_prompt_cache(model)
                     done[key] = tick
         assert done == dict.fromkeys("abcd", 5)  # 33 tokens in chunks of 8: the fifth tick, together
         assert counts.get("prefills_copied", 0) == copies
+
+
+def test_identical_prompts_wait_for_their_twin_even_with_a_shorter_prefix_kept(model):
+    """A kept prefill of the prompts' first chunks does not stop identical prompts waiting for the
+    first of them: one prefill of the rest, and three whole copies."""
+    engine, counts = counted_engine(model, prefill_chunk=4)
+    run(engine, [job(prompt=[5] * 8 + [9], max_new_tokens=1)])  # leaves [5] * 8's chunks kept
+    engine.add("running", job(max_new_tokens=40))
+    engine.tick()
+    for seed in range(4):
+        engine.add(seed, job(prompt=[5] * 8 + [6] * 9, max_new_tokens=3, temperature=1.0, seed=seed))
+    last, _ = run(engine, [])
+    assert counts["prefills_copied"] == 3
+    for seed in range(4):
+        one = job(prompt=[5] * 8 + [6] * 9, max_new_tokens=3, temperature=1.0, seed=seed)
+        assert last[seed]["response"]["tokens"] == alone(model, one)
 
 
 def test_a_prefill_outlives_its_row_within_the_prompt_caches_bytes(model):
@@ -676,3 +692,12 @@ def test_a_prompts_first_token_leaves_when_its_prefill_ends(model):
         engine.add(key, job(max_new_tokens=3, stream=True))
     parts = [[key for key, _ in part] for part in engine.tick_parts()]
     assert [keys for keys in parts if keys] == [["a"], ["b"], ["c"]]
+
+
+def test_a_replacement_worker_counts_on_but_holds_no_cache_yet():
+    shared = SharedState(4)
+    tally = shared.tally(0)
+    tally("tokens_generated", 5)
+    tally("prompt_cache_bytes", 1000)
+    shared.tally(0)  # the worker died; its replacement takes its row
+    assert shared.totals()["tokens_generated"] == 5 and shared.totals()["prompt_cache_bytes"] == 0
