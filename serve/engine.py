@@ -222,7 +222,10 @@ class _Row:
         neither copied nor kept (``serve.prompt_cache``): a cache of lab.fast's (a tensor per layer),
         adaptive exit's scoring pass (its own), hooks on the model (they would see one prefill of two)."""
         decoder = self.generation.decoder
-        if not isinstance(decoder.cache, KVCache) or self.scoring and self.job.block_set.is_adaptive:
+        cache = decoder.cache
+        if not isinstance(cache, KVCache) or not isinstance(cache.k, torch.Tensor):  # lab.fast's: lists
+            return None
+        if self.scoring and self.job.block_set.is_adaptive:
             return None
         if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
             return None
@@ -516,9 +519,15 @@ class Engine:
         return events
 
     def _end(self, row: _Row) -> Events:
+        """The row's done event; the row leaves the engine, its prefill for later rows to copy. Should
+        its event fail to build, the row stays, for the caller to fail it (it is never lost)."""
+        done = [(row.key, row.report.done(row.generation, row.fixed_blocks))]
         self.rows.remove(row)
         if row.prefilled and row.setting is not None:
-            self.ended_now.append(row.prefill())  # views of its cache: for this tick's waiting twins
-            if self.prompt_cache.max_bytes > 0:
-                self.tally("prompt_cache_bytes", self.prompt_cache.keep(row.prefill().kept()))
-        return [(row.key, row.report.done(row.generation, row.fixed_blocks))]
+            try:
+                self.ended_now.append(row.prefill())  # views of its cache: for this tick's waiting twins
+                if self.prompt_cache.max_bytes > 0:
+                    self.tally("prompt_cache_bytes", self.prompt_cache.keep(row.prefill().kept()))
+            except Exception:  # what later rows would copy: they compute it instead; this row is done
+                logger.exception("the prefill of a finished row could not be kept")
+        return done

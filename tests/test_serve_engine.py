@@ -701,3 +701,26 @@ def test_a_replacement_worker_counts_on_but_holds_no_cache_yet():
     tally("prompt_cache_bytes", 1000)
     shared.tally(0)  # the worker died; its replacement takes its row
     assert shared.totals()["tokens_generated"] == 5 and shared.totals()["prompt_cache_bytes"] == 0
+
+
+def test_a_prefill_the_cache_cannot_keep_loses_no_request(model, monkeypatch):
+    """Keeping a finished row's prefill is an optimisation: should it fail, the row's done event still
+    leaves (a request whose event was lost would wait for ever), and the next row computes its own."""
+
+    def broken(self, prefill):
+        raise RuntimeError("no room")
+
+    monkeypatch.setattr("serve.prompt_cache.PromptCache.keep", broken)
+    last, _ = run(Engine(model), [job(max_new_tokens=3), job(max_new_tokens=3, seed=2)])
+    assert [last[p]["event"] for p in (0, 1)] == ["done", "done"]
+
+
+def test_compiled_decoders_caches_are_neither_copied_nor_kept(model):
+    """lab.fast's caches hold a tensor per block (``layers_apart``): a row of one has no setting, so
+    no other row copies it or is copied into it (views of an [L, ...] tensor would fail there)."""
+    from lab import fast
+
+    engine = Engine(fast.accelerate(TinyModel(n_layer=N_LAYER)("cpu")))
+    engine.add(0, job())
+    assert isinstance(engine.rows[0].generation.decoder.cache.k, list)
+    assert engine.rows[0].setting is None
