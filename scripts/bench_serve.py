@@ -46,9 +46,10 @@ invariance).
 
 Every number is measured in this run against a baseline of this run; the machine's load average is
 reported with them, because on a shared CPU it moves them. The overhead's ratio comes with the 95%
-bootstrap interval over its alternating calls. The scheduler's requests at once each have a prompt of
-their own of ``PROMPT``'s length (``distinct``), but where a figure says one prompt: the engine
-prefills identical prompts once. Each scheduler figure is the median of
+bootstrap interval over its alternating calls. The throughput and scheduler sections' servers keep
+no ended request's prefill (``NO_KEPT_PREFILLS``), and the scheduler's requests at once each have a
+prompt of their own of ``PROMPT``'s length (``distinct``), but where a figure says one prompt: the
+engine prefills identical prompts running together once. Each scheduler figure is the median of
 ``--rounds`` rounds on the same server with the interval of that median (with 3 rounds, about their
 range): a single round of a few requests moves these ratios by a fifth or more between runs. The
 requests go through ``serve.client``, the client ``blocklab traffic`` uses.
@@ -85,6 +86,10 @@ from serve.worker import WeightsLoader, Worker
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find"
 PROMPT_IDS = tokens.encode(PROMPT)
+NO_KEPT_PREFILLS = ("--prompt-cache-mb", "0")
+"""The throughput and scheduler sections' servers keep no ended request's prefill: their requests
+send few prompts again and again, and each would find its own in the cache (section 6 measures
+that); identical prompts running together still share theirs (the one-prompt figures)."""
 
 
 def distinct(body: dict, i: int) -> dict:
@@ -229,7 +234,9 @@ async def throughput_and_skips(requests: int, clients: int, new_tokens: int) -> 
     body = {"prompt": PROMPT, "max_new_tokens": new_tokens, "seed": 0}
     words = PROMPT.split()
     mixed_prompts = [" ".join(words[: 2 + 2 * i]) for i in range(clients)]  # 2, 4, ... words
-    with ServerProcess(["--model", "gpt2-random", "--max-batch-size", str(clients)]) as server:
+    with ServerProcess(
+        ["--model", "gpt2-random", "--max-batch-size", str(clients), *NO_KEPT_PREFILLS]
+    ) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=300.0) as http:
             depth = (await http.get("/info")).json()["model"]["depth"]
             await answered(http, body)  # warm-up
@@ -389,7 +396,7 @@ def over_rounds(rounds: list[dict]) -> dict:
 async def scheduling(model: str, dtype: str, invariant: bool = True, rounds: int = 3) -> dict:
     """Section 4 of the module docstring, on one server of ``model`` in ``dtype``: ``rounds`` rounds,
     merged by ``over_rounds``."""
-    args = ["--model", model, "--dtype", dtype, "--max-batch-size", "8"]
+    args = ["--model", model, "--dtype", dtype, "--max-batch-size", "8", *NO_KEPT_PREFILLS]
     if not invariant:
         args.append("--no-batch-invariant")
     with ServerProcess(args) as server:
