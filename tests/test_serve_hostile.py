@@ -168,7 +168,8 @@ def test_requests_on_new_connections_past_the_limit_get_an_answer_each(server):
     crowd = [connect(server) for _ in range(MAX_CONNECTIONS + 8)]
     try:
         for sock in crowd:
-            sock.sendall(WHOLE_POST)
+            # long enough that none is answered (and idle, to be closed for room) before all have sent
+            sock.sendall(LONG_POST)
         statuses = []
         for sock in crowd:
             sock.settimeout(30)
@@ -189,6 +190,11 @@ TARGET_S = 1.0
 """How long past its read timeout a stalled connection may stay open (issue #20's target)."""
 GET_HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 WHOLE_POST = HEADERS + b"\r\n" + BODY
+LONG_BODY = json.dumps({"prompt": "Hello there", "max_new_tokens": 64, "ignore_eos": True}).encode()
+LONG_POST = (
+    b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(LONG_BODY), LONG_BODY)
+)
 STALLED_POST = (  # headers of a 100-byte body that never comes
     b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     b"Content-Length: 100\r\n\r\n"
