@@ -44,6 +44,7 @@ from collections.abc import Callable, Hashable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from lab import generate as lab_generate
 from lab import tokens
@@ -227,6 +228,8 @@ class _Row:
             return None
         if self.scoring and self.job.block_set.is_adaptive:
             return None
+        if _global_forward_hooks or _global_forward_pre_hooks:
+            return None
         if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
             return None
         prefill_set = decoder.prefill_set
@@ -398,10 +401,11 @@ class Engine:
         """The prefill ``row`` copies most positions of (``serve.prompt_cache``), of the rows prefilled
         beside it or of those that ended, and how many; None where it copies nothing. A row that would
         copy only part looks no further than prefills that begin with its first chunk."""
-        chunk, first = self.prefill_chunk, row.feed[: self.prefill_chunk]
-        live = [other.prefill() for other in self.rows if other.prefilled and other.setting == row.setting]
-        kept = self.prompt_cache.beginning(row.setting, first)
-        candidates = [p for p in live + self.ended_now + kept if p.tokens[:chunk] == tuple(first)]
+        chunk, first = self.prefill_chunk, tuple(row.feed[: self.prefill_chunk])
+        beside = [other for other in self.rows if other.prefilled and other.setting == row.setting]
+        live = [other.prefill() for other in beside if other.feed[:chunk] == list(first)]
+        ended = [p for p in self.ended_now if p.setting == row.setting and p.tokens[:chunk] == first]
+        candidates = live + ended + self.prompt_cache.beginning(row.setting, first)
         best, most = None, 0
         for prefill in candidates:
             usable = prefill.usable(row.feed, row.loss_targets, row.reader, chunk)
@@ -525,9 +529,10 @@ class Engine:
         self.rows.remove(row)
         if row.prefilled and row.setting is not None:
             try:
-                self.ended_now.append(row.prefill())  # views of its cache: for this tick's waiting twins
+                prefill = row.prefill()
+                self.ended_now.append(prefill)  # views of its cache: for this tick's waiting twins
                 if self.prompt_cache.max_bytes > 0:
-                    self.tally("prompt_cache_bytes", self.prompt_cache.keep(row.prefill().kept()))
+                    self.tally("prompt_cache_bytes", self.prompt_cache.keep(prefill.kept()))
             except Exception:  # what later rows would copy: they compute it instead; this row is done
                 logger.exception("the prefill of a finished row could not be kept")
         return done

@@ -384,6 +384,18 @@ def test_identical_prompts_wait_for_their_twin_even_with_a_shorter_prefix_kept(m
         assert last[seed]["response"]["tokens"] == alone(model, one)
 
 
+def test_a_prefill_that_ended_in_the_tick_is_copied_only_under_its_own_blocks():
+    """A row that ends at its prefill leaves it for rows of the same tick; one of other blocks (the
+    same prompt under all after skip=1) must not copy it, and draws what it draws alone."""
+    torch.manual_seed(0)
+    model = GPT(TinyModel(n_layer=N_LAYER).config()).eval()
+    jobs = [job("skip=1", max_new_tokens=1), job("all", max_new_tokens=4, temperature=1.0, seed=3)]
+    engine, counts = counted_engine(model)
+    last, _ = run(engine, jobs)
+    assert "prefills_copied" not in counts
+    assert last[1]["response"]["tokens"] == alone(model, jobs[1])
+
+
 def test_a_prefill_outlives_its_row_within_the_prompt_caches_bytes(model):
     """A row that ended leaves its prefill: a later row of the same prompt copies it, bit for bit;
     none is kept with a budget of 0 bytes, and the least recently used goes past the budget."""
