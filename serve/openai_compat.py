@@ -14,10 +14,11 @@ travels in the extra field ``blocks`` (a spec string, ``lab.blocks``); vLLM's ex
 ``min_tokens`` and ``ignore_eos`` are taken too, as load tools send them. ``logprobs`` (with
 ``echo``: lm-eval's loglikelihood requests) come from scoring the prompt and what was generated:
 in the first pass when nothing is generated, else in a scoring request after it. Every response
-carries a ``blocklab`` object: the block set as run, blocks per token, server timings. What is not
-implemented (``n`` > 1, tools, penalties, ``logit_bias``, ``logprobs`` > 1, ...) is refused with
-422 whose ``param`` names it, never silently ignored; OpenAI's explicit nulls mean the default
-(the bodies' models: ``serve.openai_schema``). Chat turns are rendered as a plain transcript
+carries a ``blocklab`` object: the block set as run, blocks per token, server timings. ``n``
+choices of each prompt are requests of their own (choice j of a seeded body drawn with seed + j).
+What is not implemented (``best_of`` > 1, tools, penalties, ``logit_bias``, ``logprobs`` > 1,
+...) is refused with 422 whose ``param`` names it, never silently ignored; OpenAI's explicit nulls
+mean the default (the bodies' models: ``serve.openai_schema``). Chat turns are rendered as a plain transcript
 (``role: content`` lines, then ``assistant:``): the served models are not chat-tuned.
 """
 
@@ -124,9 +125,7 @@ class _Translation:
     ):
         self.body = body
         self.n = body.n or 1
-        self.prompts = [
-            prompt for prompt in prompts for _ in range(self.n)
-        ]  # a choice each, in OpenAI's order
+        self.prompts = [prompt for prompt in prompts for _ in range(self.n)]  # a choice each, OpenAI's order
         self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         self.names = {
             "prompt_ids": "prompt",
