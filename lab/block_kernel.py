@@ -48,6 +48,7 @@ from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_h
 from lab import intmm
 from lab.blocks import BlockSet
 from lab.float_kernels import SHORT_RUN, KernelLinear
+from lab.hooks import hooked
 from lab.model import GPT, Block, CausalSelfAttention, KVCache, LayerCache
 from lab.quantize import QuantizedLinear
 from lab.rows import taking_rows_alone
@@ -364,12 +365,7 @@ def exit_rule(model: GPT, block_set: BlockSet, dtype: torch.dtype) -> intmm.Exit
     ``model.ln_f``), for activations of ``dtype``; None where the call cannot make it: a final norm that
     is no LayerNorm with a weight, or one that is hooked (its hooks see every check)."""
     norm = model.ln_f
-    if (
-        type(norm) is not nn.LayerNorm
-        or norm.weight is None
-        or norm._forward_hooks
-        or norm._forward_pre_hooks
-    ):
+    if type(norm) is not nn.LayerNorm or norm.weight is None or hooked([norm]):
         return None
     probe = None
     if block_set.adaptive_check == "probe":
@@ -432,11 +428,8 @@ class DraftKernel:
         (None without ``read``: a round's last token, fed for the verification), writing the blocks'
         keys and values; None where this step cannot take the call (a hook, training, a block the one
         call does not take, lab.fast's caches)."""
-        if model.training or _global_forward_hooks or _global_forward_pre_hooks:
+        if model.training or hooked(self.hookable):
             return None
-        for module in self.hookable:
-            if module._forward_hooks or module._forward_pre_hooks:
-                return None
         if not isinstance(cache.k, torch.Tensor) or cache.k.size(1) != 1:
             return None
         weights = _stack_weights(model, blocks, self.probe, 1)

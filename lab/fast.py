@@ -46,6 +46,7 @@ from typing import Literal
 import torch
 
 from lab.blocks import BlockSet
+from lab.hooks import hooked
 from lab.model import GPT, KVCache
 
 logger = logging.getLogger(__name__)
@@ -294,11 +295,12 @@ class FastDecode:
         return layers_apart(KVCache(self.model.config, 1, length, weight.device, weight.dtype))
 
     def ready(self) -> bool:
-        """False while any hook is registered on the model (its step then runs eager, said once)."""
-        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
-        if hooked:
+        """False while any hook would see the model run, a global one included (its step then runs
+        eager, said once)."""
+        if hooked(self.modules):
             self.fell_back("a hook is registered (hooks see the eager step's tensors)")
-        return not hooked
+            return False
+        return True
 
     @torch.inference_mode()
     def step(

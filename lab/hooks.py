@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from lab.model import HookPoint
 
@@ -24,6 +25,16 @@ from lab.model import HookPoint
 def hook_names(model: nn.Module) -> list[str]:
     """Every capturable name of ``model``, in forward order."""
     return [name for name, module in model.named_modules() if isinstance(module, HookPoint)]
+
+
+def hooked(modules: Iterable[nn.Module]) -> bool:
+    """Whether a forward hook would see any of ``modules`` run: one registered on any of them, or a
+    global one (``torch.nn.modules.module.register_module_forward_hook`` and its pre-hook twin). A
+    path that runs the modules' work without calling them (one C call, a compiled step) must not
+    take the work then."""
+    if _global_forward_hooks or _global_forward_pre_hooks:
+        return True
+    return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
 
 
 @contextmanager

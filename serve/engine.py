@@ -44,12 +44,12 @@ from collections.abc import Callable, Hashable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from lab import generate as lab_generate
 from lab import tokens
 from lab.decode import decode_rows
 from lab.generate import Generation, Step
+from lab.hooks import hooked
 from lab.model import GPT, KVCache
 from lab.rows import rows_alone
 from lab.sampling import SamplingError
@@ -228,9 +228,7 @@ class _Row:
             return None
         if self.scoring and self.job.block_set.is_adaptive:
             return None
-        if _global_forward_hooks or _global_forward_pre_hooks:
-            return None
-        if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        if hooked(model.modules()):
             return None
         prefill_set = decoder.prefill_set
         return tuple(prefill_set.blocks_to_run(model.config.n_layer)), frozenset(prefill_set.overwrite)

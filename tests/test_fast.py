@@ -9,6 +9,7 @@ import gc
 
 import pytest
 import torch
+from torch import nn
 
 from lab import fast, tokens
 from lab.blocks import BlockSet
@@ -186,6 +187,26 @@ def test_a_hook_sends_the_step_to_the_eager_path_and_sees_its_tensors():
     with capture(quick, "blocks.1.resid_post") as seen:
         logits, _ = decoder.step(token)
     assert seen["blocks.1.resid_post"].shape == (1, 1, 64)
+    assert any("hook" in reason for reason in quick.fast.fallbacks)
+    eager = Decoder(tiny(), max_len=len(PROMPT) + 2)
+    eager.prefill(PROMPT)
+    torch.testing.assert_close(logits, eager.step(token)[0])
+
+
+def test_a_global_hook_sends_the_step_to_the_eager_path_and_sees_its_modules():
+    quick = accelerated()
+    decoder = Decoder(quick, max_len=len(PROMPT) + 2)
+    token = int(decoder.prefill(PROMPT).argmax())
+    blocks = set(quick.blocks)
+    seen = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda module, _inputs, _output: seen.append(module) if module in blocks else None
+    )
+    try:
+        logits, _ = decoder.step(token)
+    finally:
+        handle.remove()
+    assert len(seen) == len(blocks)
     assert any("hook" in reason for reason in quick.fast.fallbacks)
     eager = Decoder(tiny(), max_len=len(PROMPT) + 2)
     eager.prefill(PROMPT)
