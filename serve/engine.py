@@ -53,7 +53,7 @@ from lab.hooks import hooked
 from lab.model import GPT, KVCache
 from lab.rows import rows_alone
 from lab.sampling import SamplingError
-from serve.prompt_cache import Prefill, PromptCache
+from serve.prompt_cache import Prefill, PromptCache, copies_whole
 from serve.schema import (
     DoneEvent,
     Job,
@@ -235,12 +235,16 @@ class _Row:
 
     def prefill(self) -> Prefill:
         """Its prefill as another row copies it (views of its cache: for as long as the row runs)."""
-        cache, end = self.generation.decoder.cache, len(self.feed)
-        scored = tuple(self.loss_targets) or None
+        cache, end, scored = self.generation.decoder.cache, len(self.feed), self.scored
         return Prefill(
             self.setting, tuple(self.feed), cache.k[:, :, :, :end], cache.v[:, :, :, :end],
             self.last_stream, scored, self.reader, None if scored is None else tuple(self.scores),
         )  # fmt: skip
+
+    @property
+    def scored(self) -> tuple[int, ...] | None:
+        """The loss targets its prefill scores, or None where it scores none."""
+        return tuple(self.loss_targets) or None
 
     @property
     def reader(self) -> Hashable:
@@ -416,8 +420,8 @@ class Engine:
         it is done (its tokens, and its loss targets and read-out when ``row`` scores them). Done, it
         runs on, or it ended in the same tick, before ``row``'s turn (``ended_now``)."""
         return any(
-            other.setting == row.setting and not other.prefilled and other.feed == row.feed
-            and (not row.loss_targets or (other.loss_targets, other.reader) == (row.loss_targets, row.reader))
+            other.setting == row.setting and not other.prefilled
+            and copies_whole(row.feed, row.loss_targets, row.reader, other.feed, other.scored, other.reader)
             for other in self.rows[: self.rows.index(row)]
         )  # fmt: skip
 

@@ -24,6 +24,19 @@ from dataclasses import dataclass
 import torch
 
 
+def copies_whole(
+    tokens: list[int], targets: list[int], reader: Hashable,
+    prefill_tokens: tuple[int, ...], prefill_targets: tuple[int, ...] | None, prefill_reader: Hashable,
+) -> bool:  # fmt: skip
+    """Whether a row feeding ``tokens`` and scoring ``targets`` through ``reader`` (no targets: it does
+    not score) copies the whole of a prefill of ``prefill_tokens`` that scored ``prefill_targets``
+    through ``prefill_reader`` (None: it did not score): the same tokens, and, when the row scores,
+    the same targets read out the same way."""
+    if tuple(tokens) != tuple(prefill_tokens):
+        return False
+    return not targets or (prefill_targets == tuple(targets) and prefill_reader == reader)
+
+
 @dataclass(frozen=True)
 class Prefill:
     """One prompt's prefill: under ``setting`` (its blocks and the blocks that overwrite), the tokens
@@ -58,7 +71,7 @@ class Prefill:
         if it scores, read targets both have; 0 for none."""
         if targets and (self.chunk_scores is None or reader != self.reader):
             return 0
-        if tuple(tokens) == self.tokens and (not targets or tuple(targets) == self.targets):
+        if copies_whole(tokens, targets, reader, self.tokens, self.targets, self.reader):
             return len(tokens)
         shared = 0
         for mine, theirs in zip(tokens, self.tokens, strict=False):
