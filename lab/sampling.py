@@ -83,23 +83,38 @@ def token_probabilities(logits: torch.Tensor, sampling: SamplingParams) -> torch
     return probs
 
 
+# A positive float32's bits, shifted right this far, keep its exponent and its 7 leading mantissa
+# bits: buckets 1/128 of an octave wide, in the order of the values (bits of positive floats sort as
+# the floats do), so every token of a bucket is more likely than every token of the buckets below.
+BUCKET_SHIFT = 16
+
+
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """probs [V] kept on their smallest most likely set whose probability reaches ``top_p``, renormalised.
 
-    A token is kept when the tokens more likely than it hold less than ``top_p``, so the V or fewer
-    tokens no more likely than it hold more than total - top_p: it is more likely than that over V.
-    Only those are sorted (half the bound, for rounding), not the whole vocabulary, whose sort cost
-    more than a decode step (docs/inference.md, "Sampling's cost").
-    """
+    A token is kept when the tokens more likely than it hold less than ``top_p``. The tokens are
+    bucketed by the bits of their probability (``BUCKET_SHIFT``) and the buckets' masses summed
+    (float64): every token of a bucket whose more likely buckets hold less than ``top_p`` and that
+    reaches it with its own is kept; the one bucket where the running mass crosses ``top_p`` is
+    sorted, and only it. The kept set is a full sort's with float64 running sums (float32 ones can
+    misplace the cut by a token), up to which of tokens tied at the cut are kept (as many of them),
+    without sorting the vocabulary, which cost more than a decode step (docs/inference.md,
+    "Sampling's cost")."""
     total = float(probs.sum())  # 1 up to rounding: a top_p at or above it keeps every token
-    if total <= top_p:
+    if not total > top_p:  # a NaN total too: the draw refuses it
         return probs / total
-    bound = 0.5 * (total - top_p) / probs.size(-1)
-    candidates = torch.nonzero(probs > bound).view(-1)  # [C] token ids, ascending
-    sorted_probs, order = probs[candidates].sort(descending=True)  # [C] each
-    before = sorted_probs.cumsum(-1) - sorted_probs  # [C] mass of the more likely tokens
-    kept = candidates[order[before < top_p]]  # [K]: the most likely is always kept
-    nucleus = torch.zeros_like(probs).index_copy_(0, kept, probs[kept])  # [V]
+    values = probs.float()  # [V]
+    bucket = values.view(torch.int32) >> BUCKET_SHIFT  # [V]
+    mass = torch.bincount(bucket, weights=values.double())  # [B]
+    from_bucket = mass.flip(0).cumsum(0).flip(0)  # [B] mass of each bucket and those above it
+    above = torch.cat([from_bucket[1:], from_bucket.new_zeros(1)])  # [B] of those above: non-increasing
+    cut = int((above >= top_p).sum())  # the bucket in which the kept mass reaches top_p
+    edge = torch.nonzero(bucket == cut).view(-1)  # [E] its tokens
+    edge_probs, order = probs[edge].sort(descending=True, stable=True)  # [E] each
+    before = float(above[cut]) + edge_probs.double().cumsum(0) - edge_probs.double()  # [E]
+    kept = edge[order[before < top_p]]  # [K]: the most likely token is always kept
+    nucleus = torch.where(bucket > cut, probs, 0.0)  # [V]
+    nucleus[kept] = probs[kept]
     return nucleus / nucleus.sum()
 
 

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import math
 import random
 import time
 
@@ -164,15 +165,25 @@ def test_inverse_cdf_places_u_by_the_cumulative_sums_and_rounding_lands_on_a_tok
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 3.0])
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
-def test_nucleus_keeps_the_tokens_a_full_sort_keeps(temperature, top_p):
-    """The nucleus from its candidates alone equals the textbook one over the whole sorted vocabulary."""
-    logits = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * 4  # peaked: a trained model's
-    sampling = SamplingParams(temperature=temperature, top_p=top_p)
-    probs = F.softmax(logits / temperature, dim=-1)
+@pytest.mark.parametrize("spread", [4.0, 0.3, 0.0])  # peaked (a trained model's), flat, uniform
+@pytest.mark.parametrize("top_k", [None, 700])
+def test_nucleus_keeps_the_tokens_a_full_sort_keeps(temperature, top_p, spread, top_k):
+    """The nucleus from its probabilities' buckets equals the textbook one over the whole sorted
+    vocabulary (all tied: as many tokens, which of them aside)."""
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * spread
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    scaled = logits / temperature
+    if top_k is not None:
+        scaled = scaled.masked_fill(scaled < torch.topk(scaled, top_k).values[-1], -math.inf)
+    probs = F.softmax(scaled, dim=-1)
     sorted_probs, order = probs.sort(descending=True)
-    before = sorted_probs.cumsum(-1) - sorted_probs
+    before = sorted_probs.double().cumsum(-1) - sorted_probs.double()  # exact enough to place the cut
     expected = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(before >= top_p, 0.0))
-    torch.testing.assert_close(token_probabilities(logits, sampling), expected / expected.sum())
+    got = token_probabilities(logits, sampling)
+    if spread == 0.0:
+        assert int((got > 0).sum()) == int((expected > 0).sum())
+    else:
+        torch.testing.assert_close(got, expected / expected.sum())
 
 
 def test_nucleus_keeps_as_many_of_tied_tokens_and_every_token_at_a_top_p_the_total_reaches():
