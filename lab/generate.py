@@ -7,11 +7,12 @@
 
 A ``Generation`` is one sequence being generated: its decoder (``lab.decode``; under ``speculate=E``
 a ``lab.speculate.Speculator``), its sampler (``lab.sampling``) and its stopping rules: end-of-text
-(unless ``ignore_eos``; never before ``min_tokens``), stop strings, ``max_new_tokens``, the context,
-a deadline. ``generate`` runs one alone: the prompt in one pass, then a step (``decode_rows`` with
-one row) or a speculation round at a time. The server's engine (``serve.engine``) runs many: it
-prefills them in chunks and takes the decode steps of all its rows in one ``decode_rows`` call, then
-hands each row's logits to its ``Generation.pick``; the rules are the same code.
+(unless ``ignore_eos``) and stop strings (neither before ``min_tokens``, as in vLLM),
+``max_new_tokens``, the context, a deadline. ``generate`` runs one alone: the prompt in one pass,
+then a step (``decode_rows`` with one row) or a speculation round at a time. The server's engine
+(``serve.engine``) runs many: it prefills them in chunks and takes the decode steps of all its rows
+in one ``decode_rows`` call, then hands each row's logits to its ``Generation.pick``; the rules are
+the same code.
 
 ``score`` under adaptive exit decides for every position, with the same arithmetic as decoding:
 block by block over all positions, an exited position's stream frozen at its exit state (so the
@@ -120,9 +121,9 @@ class StopStrings:
             failure[i] = k
         return failure
 
-    def feed(self, piece: str) -> int | None:
+    def feed(self, piece: str) -> tuple[int, str] | None:
         """Take the next piece of text; where the first stop string to appear in it begins (an index
-        into the whole text), or None."""
+        into the whole text) and that string, or None."""
         starts = []
         for j, (stop, failure) in enumerate(zip(self.stops, self.failure, strict=True)):
             k = self.matched[j]
@@ -131,7 +132,7 @@ class StopStrings:
                     k = failure[k - 1]
                 k += char == stop[k]
                 if k == len(stop):
-                    starts.append(self.length + i + 1 - k)
+                    starts.append((self.length + i + 1 - k, stop))
                     k = failure[k - 1]
             self.matched[j] = k
         self.length += len(piece)
@@ -194,6 +195,8 @@ class Generation:
         self._text = ""
         self._released = 0  # characters of _text the steps have released
         self._stopped_at: int | None = None  # where a stop string begins in _text, once one appears
+        self.stop_reason: str | None = None
+        """The stop string that ended it (None: it ended otherwise, or runs on), vLLM's field."""
         self._stops = StopStrings(sampling.stop) if sampling.stop else None
         self._run: Iterator[Step] | None = None  # running alone (iterated)
 
@@ -249,8 +252,8 @@ class Generation:
         end = len(self._text)
         if self._stops is not None:
             found = self._stops.feed(piece)
-            if found is not None:
-                self._stopped_at = end = found
+            if found is not None and len(self.tokens) >= self.sampling.min_tokens:  # vLLM's rule
+                (self._stopped_at, self.stop_reason), end = found, found[0]
                 self.finish_reason = "stop"
             elif self.finish_reason is None:
                 end -= self._stops.held

@@ -48,7 +48,7 @@ class SamplingParams:
     seed: int | None = None
     """Seed of the draws (None: a fresh random one)."""
     min_tokens: int = 0
-    """The end-of-text token is not drawn before this many new tokens."""
+    """Neither end-of-text (not drawn) nor a stop string ends generation before this many new tokens."""
     ignore_eos: bool = False
     """End-of-text does not end the generation (it runs to its length: load tools)."""
     stop: tuple[str, ...] = ()

@@ -169,6 +169,7 @@ class _Report:
             tokens=generation.tokens,
             prompt_tokens=len(job.prompt_tokens),
             finish_reason=generation.finish_reason,
+            stop_reason=generation.stop_reason,
             seed=job.sampling.seed,
             block_set=str(job.block_set),
             blocks_run=blocks_run,

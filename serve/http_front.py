@@ -61,7 +61,7 @@ METRICS_PATH = "/metrics"
 RETRY_AFTER_S = 1
 """What a shed request is told to wait before it comes back (``Retry-After``)."""
 ERROR_RESPONSES = {
-    400: {"description": "The body is not parseable (not UTF-8, or JSON nested too deep)"},
+    400: {"description": "The body does not parse (not UTF-8, JSON too deep); under /v1/, any invalid body"},
     401: {"description": "Missing or wrong API key"},
     413: {"description": "Body over --max-payload-bytes"},
     422: {"description": "Invalid request, naming the field"},
@@ -73,23 +73,43 @@ ERROR_RESPONSES = {
 """What the model routes answer besides 200, for the OpenAPI schema."""
 
 
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def openai_param(loc: list) -> str | None:
+    """A validation error's place as OpenAI names a field (``messages[0].content``), without the
+    members of a union pydantic tried (``stop.str``, ``stop.list[str].0``: ``stop``); None for the
+    body itself."""
+    param = ""
+    for part in loc[1:]:  # after "body"
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _TYPE_NAMES or not part.isidentifier():  # "list[str]", "function-after[...]"
+            break
+        else:
+            param += f".{part}" if param else part
+    return param or None
+
+
 def error_response(path: str, status: int, detail, headers: dict[str, str] | None = None) -> JSONResponse:
     """FastAPI's ``{"detail": ...}``, or under ``/v1/`` OpenAI's ``{"error": {"message": ...}}``, the
-    shape its clients read the message from, with ``param`` naming the field at fault."""
+    shape its clients read the message from, with ``param`` naming the field at fault, and an invalid
+    request's status OpenAI's and vLLM's 400 (the ``openai`` client's ``BadRequestError``), not 422."""
     if not (path.startswith("/v1/") or path == "/v1"):
         return JSONResponse({"detail": detail}, status_code=status, headers=headers)
     param = None
     if not isinstance(detail, str):  # a validation error list: the first error's field is OpenAI's param
         # (JSON that does not parse is the body's: its place is a character offset, no field)
         fields = [
-            None if error.get("type") == "json_invalid" else ".".join(map(str, error["loc"][1:])) or None
-            for error in detail
+            None if error.get("type") == "json_invalid" else openai_param(error["loc"]) for error in detail
         ]
         param = fields[0] if fields else None
-        detail = "; ".join(
+        messages = dict.fromkeys(  # a union's members each failed: one message per field and reason
             f"{field or 'body'}: {error['msg'].removeprefix('Value error, ')}"
             for field, error in zip(fields, detail, strict=True)
         )
+        detail = "; ".join(messages)
+    status = 400 if status == 422 else status
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": detail, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
@@ -337,21 +357,35 @@ class Front:
     def admit(self, request: PredictRequest, needs: frozenset[str] = frozenset()) -> Submission:
         """Check, resolve and submit ``request``; HTTPException 422, 429 or 503 when it cannot be.
         ``needs``: ``serve.schema.resolve``'s."""
+        return self.admit_all([request], needs)[0]
+
+    def admit_all(
+        self, requests: list[PredictRequest], needs: frozenset[str] = frozenset()
+    ) -> list[Submission]:
+        """``admit`` for the requests of one body (an OpenAI body's choices), all or none: every one is
+        checked before any is submitted, and if the pool fills part way, those submitted are
+        withdrawn uncounted (the body was refused, not cancelled)."""
         limits = self.limits()
         if limits is None:
             self.metrics.refused(503, "loading")
             raise HTTPException(503, "the model is still loading", headers=self._retry_after())
+        jobs = []
+        for request in requests:
+            try:
+                jobs.append(resolve(request, limits, timeout=self.request_timeout, needs=needs))
+            except RequestError as error:
+                raise HTTPException(422, error.detail()) from None
+        channels = []
         try:
-            job = resolve(request, limits, timeout=self.request_timeout, needs=needs)
-        except RequestError as error:
-            raise HTTPException(422, error.detail()) from None
-        try:
-            channel = self.pool.submit(job)
+            for job in jobs:
+                channels.append(self.pool.submit(job))
         except PoolFull as error:
+            for channel in channels:  # not run: the worker drops a closed job it has not finished
+                channel.close()
             self.metrics.refused(429, "in_flight")
             raise HTTPException(429, str(error), self._retry_after()) from None
-        self.admitted += 1
-        return Submission(self, channel)
+        self.admitted += len(channels)
+        return [Submission(self, channel) for channel in channels]
 
     def stats(self) -> dict:
         """Requests in flight and admitted so far, how they ended, and the workers' counters."""

@@ -45,7 +45,10 @@ from serve.openai_schema import (
     StreamOptions,
     chat_prompt,
 )
-from serve.schema import PredictRequest
+from serve.schema import MAX_NEW_TOKENS, MIN_TOP_P, PredictRequest
+
+SAMPLING_EPS = 1e-5
+"""A temperature below this is greedy, as vLLM reads it (clients send 1e-7 and the like for greedy)."""
 
 
 def refuse(param: str, message: str, status: int = 422) -> HTTPException:
@@ -98,6 +101,17 @@ def _finish_reason(reason: str) -> str:
     return "stop" if reason == "stop" else "length"
 
 
+def _ended_at_eos(response: dict) -> bool:
+    """Whether end-of-text ended it: OpenAI and vLLM count that token, and list it with its logprob,
+    though the text leaves it out (a ``PredictResponse``'s ``tokens`` do too)."""
+    return response["finish_reason"] == "stop" and response["stop_reason"] is None
+
+
+def _generated_ids(response: dict) -> list[int]:
+    """The tokens it generated as OpenAI counts them: end-of-text included when it ended it."""
+    return response["tokens"] + ([tokens.EOT] if _ended_at_eos(response) else [])
+
+
 def _blocklab(response: dict) -> dict:
     """The extension object every response carries: how the request ran."""
     names = (
@@ -122,11 +136,17 @@ class _Translation:
         max_tokens: int | None,
         names: dict,
         needs: frozenset[str] = frozenset(),
+        default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+        context: int | None = None,
     ):
         self.body = body
         self.n = body.n or 1
         self.prompts = [prompt for prompt in prompts for _ in range(self.n)]  # a choice each, OpenAI's order
-        self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        self.max_tokens = max_tokens
+        """As the body gave it; None: ``default_max_tokens`` (None: to the end of the ``context``),
+        never past the context, as vLLM caps it."""
+        self.default_max_tokens = default_max_tokens
+        self.context = context
         self.names = {
             "prompt_ids": "prompt",
             "max_new_tokens": "max_tokens",
@@ -146,16 +166,29 @@ class _Translation:
         """The usage's prompt tokens from each choice's count: each prompt once, as OpenAI counts it."""
         return sum(counts[:: self.n])
 
+    def new_tokens(self, prompt: str | list[int]) -> int:
+        """The most new tokens ``prompt`` asks for: the body's ``max_tokens``, or its default capped at
+        the context left after the prompt (a prompt that fills the context gets the default, and the
+        context error)."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        room = None if self.context is None else self.context - len(_prompt_ids(prompt))
+        if room is None or room < 1:
+            return DEFAULT_MAX_TOKENS if self.default_max_tokens is None else self.default_max_tokens
+        return min(room, MAX_NEW_TOKENS, self.default_max_tokens or room)
+
     def request(self, prompt: str | list[int], **overrides) -> PredictRequest:
         body = self.body
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         stop = [text for text in stop or () if text]  # "" stops nothing: clients send it for none
+        temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
         fields = {
             "prompt_ids" if isinstance(prompt, list) else "prompt": prompt,
-            "max_new_tokens": self.max_tokens,
-            "temperature": DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            "max_new_tokens": self.new_tokens(prompt),
+            "temperature": 0.0 if temperature < SAMPLING_EPS else temperature,
             "top_k": body.top_k if body.top_k is not None and body.top_k > 0 else None,
-            "top_p": body.top_p,
+            # below the server's least top_p, the nucleus is the most likely token all the same
+            "top_p": None if body.top_p is None else max(body.top_p, MIN_TOP_P),
             "seed": body.seed,
             "stream": bool(body.stream),
             "blocks": body.blocks,
@@ -172,9 +205,10 @@ class _Translation:
             detail = error.errors(include_url=False, include_context=False)
             raise HTTPException(422, _in_openai_terms(detail, self.names)) from None
 
-    def admit(self, front: Front, request: PredictRequest) -> Submission:
+    def admit(self, front: Front, requests: list[PredictRequest]) -> list[Submission]:
+        """The requests admitted together (they can share batches), all or none."""
         try:
-            return front.admit(request, self.needs)
+            return front.admit_all(requests, self.needs)
         except HTTPException as error:  # checked against the model: say it in the client's terms
             if error.status_code == 422 and isinstance(error.detail, list):
                 raise HTTPException(422, _in_openai_terms(error.detail, self.names)) from None
@@ -228,10 +262,8 @@ class _Route:
             translation.request(prompt, score=score_only or None, seed=translation.choice_seed(index))
             for index, prompt in enumerate(translation.prompts)
         ]
-        submissions: list[Submission] = []
+        submissions = translation.admit(self.front, requests)
         try:
-            for request in requests:  # all admitted before any is awaited, so they can share batches
-                submissions.append(translation.admit(self.front, request))
             request_id = ("cmpl-" if self.kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
             if body.stream:
                 first = await submissions[0].next_event(client)
@@ -261,15 +293,16 @@ class _Route:
         whole = self._envelope(body, self.kind, request_id)
         whole["choices"] = []
         for index, (prompt, response) in enumerate(zip(translation.prompts, responses, strict=True)):
-            text = _prompt_text(prompt) + response["text"] if echo else response["text"]
+            text = _echoed(prompt, response) if echo else response["text"]
             reason = _finish_reason(response["finish_reason"])
             choice = self._choice(index, text, reason, False, details[index])
+            choice["stop_reason"] = response["stop_reason"]
             if len(responses) > 1:
                 choice["blocklab"] = _blocklab(response)
             whole["choices"].append(choice)
         whole["usage"] = _usage(
             translation.prompt_tokens([response["prompt_tokens"] for response in responses]),
-            sum(len(response["tokens"]) for response in responses),
+            sum(len(_generated_ids(response)) for response in responses),
         )
         whole["blocklab"] = _blocklab(responses[0])
         return JSONResponse(whole)
@@ -283,14 +316,15 @@ class _Route:
         scores: list[dict | None] = [None] * len(responses)
         pending: dict[int, Submission] = {}
         try:
+            requests = {}
             for index, (prompt, response) in enumerate(zip(translation.prompts, responses, strict=True)):
-                ids = _prompt_ids(prompt) + response["tokens"]
-                if response["score"] is not None and not response["tokens"]:
+                ids = _prompt_ids(prompt) + _generated_ids(response)
+                if response["score"] is not None and len(ids) == response["prompt_tokens"]:
                     scores[index] = response["score"]
                 elif len(ids) >= 2:
                     overrides = {"max_new_tokens": 0, "score": True, "stream": False, "stop": None}
-                    scoring = translation.request(ids, **overrides, min_tokens=None)
-                    pending[index] = translation.admit(self.front, scoring)
+                    requests[index] = translation.request(ids, **overrides, min_tokens=None)
+            pending = dict(zip(requests, translation.admit(self.front, list(requests.values())), strict=True))
             for index, submission in pending.items():
                 event = await submission.final_event(client)
                 if event["event"] == "error":
@@ -306,12 +340,13 @@ class _Route:
     ) -> list[dict]:
         """OpenAI's logprobs of each choice: the prompt's positions when ``echo`` (the first has no
         logprob), then the generated tokens' up to the end of the text (not those of a stop string,
-        which the text leaves out), with the most likely token at each when ``top``."""
+        which the text leaves out) and end-of-text where it ended the generation, with the most likely
+        token at each when ``top``."""
         scores = await self._scores(translation, responses, client)  # top tokens: admission checked it
         results = []
         for prompt, response, score in zip(translation.prompts, responses, scores, strict=True):
             prompt_ids = _prompt_ids(prompt)
-            ids = prompt_ids + response["tokens"]
+            ids = prompt_ids + _generated_ids(response)
             losses = [None] + (score["token_losses"] if score else [])
             top_tokens = [None] + (score.get("top_tokens") or [] if score else [])
             top_losses = [None] + (score.get("top_losses") or [] if score else [])
@@ -321,6 +356,7 @@ class _Route:
             # the generated tokens that begin within the text, decoded on its own as the text is: not
             # those of a stop string, which the text leaves out
             kept = sum(at < len(response["text"]) for at in tokens.char_offsets(response["tokens"]))
+            kept += _ended_at_eos(response)
             result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             positions = range(first, len(prompt_ids) + kept)
             offsets = tokens.char_offsets(ids[position] for position in positions)
@@ -385,7 +421,7 @@ class _Route:
                 response = event["response"]
                 if not options.continuous_usage_stats and index % translation.n == 0:  # each prompt once
                     usage[0] += response["prompt_tokens"]
-                usage[1] += len(response["tokens"])
+                usage[1] += len(_generated_ids(response))
                 rest = response["text"][len(sent) :]  # bytes of a character still open at the end
                 last = {
                     **envelope,
@@ -407,6 +443,15 @@ class _Route:
                 submission.close()
 
 
+def _echoed(prompt: str | list[int], response: dict) -> str:
+    """The prompt, then the text: decoded together from the ids where the prompt is ids and no stop
+    string cut the text (a character split between the prompt's last token and the first generated
+    one is whole then, and ``text_offset`` indexes into it)."""
+    if isinstance(prompt, list) and response["stop_reason"] is None:
+        return tokens.decode(prompt + response["tokens"])
+    return _prompt_text(prompt) + response["text"]
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
@@ -425,6 +470,11 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
 def register(app: FastAPI, front: Front, *, model_name: str, responses: dict) -> None:
     completion = _Route(front, model_name, "text_completion")
     chat = _Route(front, model_name, "chat.completion")
+    started = int(time.time())
+
+    def context() -> int | None:
+        limits = front.limits()
+        return None if limits is None else limits.block_size
 
     def check_slots(prompts: list, n: int | None) -> None:
         """Each choice takes a slot: one client must leave some (``--max-prompts-per-request``)."""
@@ -446,7 +496,7 @@ def register(app: FastAPI, front: Front, *, model_name: str, responses: dict) ->
         prompts = _prompts(request.prompt)
         check_slots(prompts, request.n)
         needs = frozenset({"top_tokens"} if request.logprobs else ())  # the most likely token per position
-        translation = _Translation(request, prompts, request.max_tokens, {}, needs)
+        translation = _Translation(request, prompts, request.max_tokens, {}, needs, context=context())
         return await completion.respond(translation, client, bool(request.echo), request.logprobs)
 
     async def chat_completions(request: ChatCompletionRequest, client: Request) -> Response:
@@ -454,11 +504,15 @@ def register(app: FastAPI, front: Front, *, model_name: str, responses: dict) ->
         max_tokens = getattr(request, given)
         names = {"max_new_tokens": given, "prompt": "messages"}
         check_slots([request.messages], request.n)
-        translation = _Translation(request, [chat_prompt(request.messages)], max_tokens, names)
+        # no default length: OpenAI's chat runs to the end of the text or of the context
+        prompt = chat_prompt(request.messages)
+        translation = _Translation(
+            request, [prompt], max_tokens, names, default_max_tokens=None, context=context()
+        )
         return await chat.respond(translation, client)
 
     def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": 0, "owned_by": "blocklab"}
+        return {"id": model_name, "object": "model", "created": started, "owned_by": "blocklab"}
 
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}

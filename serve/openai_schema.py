@@ -13,7 +13,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from serve.schema import MAX_NEW_TOKENS
 
 DEFAULT_MAX_TOKENS = 16
-"""OpenAI's default for completions; used for chat too."""
+"""OpenAI's default for completions, capped at the context the prompt leaves (chat has none: it runs
+to the end of the text or of the context)."""
 DEFAULT_TEMPERATURE = 1.0
 MAX_PROMPTS = 64
 """Prompts in one completions request; each becomes a request of its own, with its own slot."""
@@ -37,6 +38,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = Field(None, description="vLLM's: usage in every chunk.")
+    include_obfuscation: bool | None = Field(None, description="OpenAI's padding of chunks; none is sent.")
 
 
 class OpenAIRequest(BaseModel):
@@ -53,6 +55,11 @@ class OpenAIRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     user: str | None = Field(None, max_length=256)
+    # what OpenAI's SDKs and wrappers send that changes nothing generated: accepted, not kept
+    store: bool | None = Field(None, description="Accepted; nothing is stored.")
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16, description="Accepted; nothing is stored."
+    )
     n: int | None = Field(
         None, ge=1, le=MAX_PROMPTS, description="Choices per prompt; identical prompts are prefilled once."
     )
@@ -112,11 +119,21 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(max_length=1024)] = Field(max_length=200_000)
+    content: str | Annotated[list[TextPart], Field(max_length=1024)] | None = Field(max_length=200_000)
     name: str | None = Field(None, max_length=256)
+
+    @field_validator("content")
+    @classmethod
+    def _said_by_someone(cls, content, info: ValidationInfo):
+        # OpenAI allows a null content only in an assistant's turn (one that called tools)
+        if content is None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant turn may have none")
+        return content
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 

@@ -64,7 +64,9 @@ class _PredictFields(BaseModel):
         allow_inf_nan=False,
         description="Nucleus sampling: the smallest set of tokens whose probability reaches it.",
     )
-    min_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS, description="No end-of-text before this many tokens.")
+    min_tokens: int = Field(
+        0, ge=0, le=MAX_NEW_TOKENS, description="Neither end-of-text nor a stop string ends it before these."
+    )
     ignore_eos: bool = Field(False, description="Generate max_new_tokens whatever is drawn (load tests).")
     stop: list[StopString] | None = Field(
         None,
@@ -270,13 +272,15 @@ def resolve(
     prompt_field = "prompt" if request.prompt_ids is None else "prompt_ids"  # the field the client gave
     if len(prompt_tokens) > limits.block_size:
         raise RequestError(
-            prompt_field, f"{len(prompt_tokens)} tokens exceed the context length {limits.block_size}"
+            prompt_field,
+            f"This model's maximum context length is {limits.block_size} tokens: the prompt's "
+            f"{len(prompt_tokens)} tokens exceed the context length",
         )
     if len(prompt_tokens) + request.max_new_tokens > limits.block_size:
         raise RequestError(
             "max_new_tokens",
-            f"{len(prompt_tokens)} prompt tokens + {request.max_new_tokens} new tokens exceed the "
-            f"context length {limits.block_size}",
+            f"This model's maximum context length is {limits.block_size} tokens: {len(prompt_tokens)} "
+            f"prompt tokens + {request.max_new_tokens} new tokens exceed the context length",
         )
     if (request.score or request.max_new_tokens == 0) and len(prompt_tokens) < 2:
         raise RequestError(prompt_field, "scoring needs at least 2 tokens (the loss of each after the first)")
@@ -363,6 +367,11 @@ class PredictResponse(_Response):
     finish_reason: FinishReason = Field(
         description="length: max_new_tokens reached; stop: end-of-text sampled or a stop string generated; "
         "scored: nothing generated."
+    )
+    stop_reason: str | None = Field(
+        None,
+        description="The stop string that ended it (vLLM's field); None otherwise: with finish_reason stop, "
+        "end-of-text was drawn.",
     )
     seed: int
     block_set: str = Field(description="The block set as run, as a spec string.")

@@ -242,6 +242,39 @@ def test_a_stop_string_ends_generation_and_the_text_before_it():
     assert "".join(step.text for step in steps) == stopped.text  # the stream holds no stop string
 
 
+def test_min_tokens_holds_stop_strings_back_as_vllm_does():
+    """A stop string completed by one of the first ``min_tokens`` tokens does not end the generation
+    (it stays in the text); the first one completed by a later token does, and is the stop reason."""
+    from lab import tokens
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=tokens.VOCAB_SIZE, block_size=48)).eval()
+    prompt = tokens.encode("The quick brown fox")
+    pieces = [step.text for step in generate(model, prompt, 16, SamplingParams(stop=("\x00",)))]
+    whole = "".join(pieces)
+    pairs = [whole[i : i + 2] for i in range(len(whole) - 1)]
+    stop = max(pairs, key=pairs.count)  # a string the text holds more than once
+    assert pairs.count(stop) > 1
+
+    def expected(min_tokens: int) -> str:
+        text = ""
+        for count, piece in enumerate(pieces, 1):
+            before, text = len(text), text + piece
+            ends = [i for i in range(len(text)) if text.startswith(stop, i) and before < i + len(stop)]
+            if ends and count >= min_tokens:
+                return text[: min(ends)]
+        return text
+
+    texts = set()
+    for min_tokens in range(len(pieces) + 1):
+        run = generate(model, prompt, 16, SamplingParams(stop=(stop,), min_tokens=min_tokens))
+        list(run)
+        assert run.text == expected(min_tokens), min_tokens
+        assert run.stop_reason == (stop if run.finish_reason == "stop" else None)
+        texts.add(run.text)
+    assert len(texts) > 2  # min_tokens moved the end, more than once
+
+
 def test_stop_strings_are_found_and_held_as_a_search_of_the_whole_text_finds_them():
     """StopStrings, fed random pieces of random text over a small alphabet (so strings overlap and
     repeat), against str.find and str.endswith over the whole text at every piece."""
@@ -255,7 +288,8 @@ def test_stop_strings_are_found_and_held_as_a_search_of_the_whole_text_finds_the
             piece = "".join(rng.choices("abc", k=rng.randint(0, 4)))
             found, text = matcher.feed(piece), text + piece
             starts = [text.find(stop) for stop in stops if stop in text]
-            assert found == (min(starts) if starts else None), (stops, text)
+            assert (found and found[0]) == (min(starts) if starts else None), (stops, text)
+            assert found is None or text[found[0] :].startswith(found[1])
             if found is not None or len(text) > 30:
                 break
             held = [k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])]

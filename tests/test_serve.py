@@ -324,7 +324,7 @@ def test_openai_client_completions_chat_and_streaming(server):
     )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 3
     assert [model.id for model in api.models.list()] == ["tiny-test"]
-    with pytest.raises(openai.UnprocessableEntityError, match="best_of: not supported"):
+    with pytest.raises(openai.BadRequestError, match="best_of: not supported"):
         api.completions.create(model="tiny", prompt=PROMPT, best_of=2)
-    with pytest.raises(openai.UnprocessableEntityError, match="blocks"):
+    with pytest.raises(openai.BadRequestError, match="blocks"):
         api.completions.create(model="tiny", prompt=PROMPT, extra_body={"blocks": "skip=99"})

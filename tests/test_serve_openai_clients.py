@@ -7,7 +7,9 @@ docs/serving.md ("Stock clients"); the checks read the answers the way those too
 suite needs neither tool installed, and breaks when the server stops answering them.
 """
 
+import concurrent.futures
 import json
+import time
 from operator import itemgetter
 
 import httpx
@@ -15,6 +17,7 @@ import openai
 import pytest
 
 from lab import tokens
+from serve.openai_compat import _echoed
 from serve.process import ServerProcess
 from serve.schema import MIN_TOP_P
 from tests.tiny import TinyModel
@@ -93,7 +96,7 @@ def predict(client: httpx.Client, **body) -> dict:
     return response.json()
 
 
-def error(response: httpx.Response, status: int = 422) -> dict:
+def error(response: httpx.Response, status: int = 400) -> dict:
     assert response.status_code == status, response.text
     return response.json()["error"]
 
@@ -287,12 +290,11 @@ def test_explicit_nulls_mean_the_defaults(client):
 def test_sampling_options_reach_the_engine(client):
     greedy = {"model": MODEL, "prompt": "Hello there", "max_tokens": 6, "temperature": 0}
     expected = client.post("/v1/completions", json=greedy).json()["choices"][0]["text"]
-    narrow = greedy | {
-        "temperature": 1.0,
-        "top_p": MIN_TOP_P,
-        "seed": 3,
-    }  # only the most likely token is left
-    assert client.post("/v1/completions", json=narrow).json()["choices"][0]["text"] == expected
+    for top_p in (MIN_TOP_P, 5e-324):  # only the most likely token is left (below MIN_TOP_P too)
+        narrow = greedy | {"temperature": 1.0, "top_p": top_p, "seed": 3}
+        assert client.post("/v1/completions", json=narrow).json()["choices"][0]["text"] == expected
+    nearly_greedy = greedy | {"temperature": 1e-7, "seed": 3}  # vLLM's: below 1e-5 is greedy
+    assert client.post("/v1/completions", json=nearly_greedy).json()["choices"][0]["text"] == expected
     exact = greedy | {"ignore_eos": True, "min_tokens": 6, "top_k": -1}  # vLLM's -1: no top-k
     assert client.post("/v1/completions", json=exact).json()["usage"]["completion_tokens"] == 6
 
@@ -315,11 +317,11 @@ def test_sampling_options_reach_the_engine(client):
         ),  # with the prompt, over the context: checked against the model
         ({"min_tokens": 20}, "min_tokens"),  # more than the default max_tokens
         ({"blocks": "skip=99"}, "blocks"),
-        ({"prompt": [[1, tokens.VOCAB_SIZE]]}, "prompt.1"),
+        ({"prompt": [[1, tokens.VOCAB_SIZE]]}, "prompt[1]"),
+        ({"stop": [1, 2]}, "stop"),  # not "stop.str": the union's members are pydantic's, not the field
         ({"prompt": []}, "prompt"),
         ({"stop": ["x"] * 17}, "stop"),
         ({"top_p": 0}, "top_p"),
-        ({"top_p": 5e-324}, "top_p"),  # 0 in float32: below MIN_TOP_P
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # not streaming, as OpenAI has it
     ],
 )
@@ -354,12 +356,118 @@ def test_the_openai_client_reads_models_and_errors(server):
     with pytest.raises(openai.NotFoundError) as missing:
         api.models.retrieve("gpt-4")
     assert missing.value.body["param"] == "model"
-    with pytest.raises(openai.UnprocessableEntityError) as refused:
+    with pytest.raises(openai.BadRequestError) as refused:  # 400, as OpenAI's and vLLM's
         api.completions.create(model=MODEL, prompt="Hi", n=17)  # over the default 16 choices a request
     assert refused.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": 5}])
+    assert refused.value.body["param"] == "messages[0].content"
     several = api.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=3, max_tokens=3, seed=5
     )
     assert [choice.index for choice in several.choices] == [0, 1, 2]
     out = api.completions.create(model=MODEL, prompt=[[15496, 995], [15496]], max_tokens=2, temperature=0)
     assert len(out.choices) == 2 and out.usage.completion_tokens == 4
+
+
+@pytest.fixture(scope="module")
+def ending():
+    """A server whose model draws end-of-text at once (unless ``ignore_eos``), its steps slowed so a
+    long request stays in flight, and room for 4 requests."""
+    args = ["--model", MODEL, "--max-in-flight", "4", "--max-prompts-per-request", "4"]
+    model = TinyModel(block_size=CONTEXT, eos_logit=30.0, step_s=0.005)
+    with (
+        ServerProcess(args, model_factory=model) as running,
+        httpx.Client(base_url=running.url, timeout=60) as http,
+    ):
+        yield http
+
+
+def test_end_of_text_is_counted_and_listed_with_its_logprob_as_openai_does(ending):
+    """lm-eval sums ``token_logprobs[ctxlen:-1]``, taking the last entry for the generated token: when
+    that token is end-of-text it must be there (OpenAI's and vLLM's answers have it), or the sum
+    loses the continuation's last token. The usage counts it too; the text leaves it out."""
+    ids = LM_EVAL_LOGLIKELIHOOD["prompt"][0]
+    choice, usage = itemgetter("choices", "usage")(
+        ending.post("/v1/completions", json=LM_EVAL_LOGLIKELIHOOD).json()
+    )
+    [choice] = choice
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
+    assert choice["text"] == tokens.decode(ids) and usage["completion_tokens"] == 1
+    details = choice["logprobs"]
+    assert len(details["tokens"]) == len(ids) + 1 and details["tokens"][-1] == "<|endoftext|>"
+    assert details["token_logprobs"][-1] > -0.01  # its logit raised by 30: all but certain
+    assert details["text_offset"][-1] == len(choice["text"])
+    [(loglikelihood, _)] = lm_eval_parse_logprobs({"choices": [choice]}, [CONTEXT_LENGTH])
+    assert loglikelihood == pytest.approx(sum(details["token_logprobs"][CONTEXT_LENGTH : len(ids)]))
+    alone = ending.post("/v1/completions", json=LM_EVAL_LOGLIKELIHOOD | {"echo": False}).json()["choices"][0]
+    assert alone["logprobs"]["tokens"] == ["<|endoftext|>"] and alone["text"] == ""
+    streamed = sse(
+        ending.post(
+            "/v1/chat/completions",
+            json=AIPERF_CHAT | {"ignore_eos": None, "max_completion_tokens": 8},
+        )
+    )
+    assert streamed[-1]["usage"]["completion_tokens"] == 1
+    assert streamed[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_stop_string_is_the_choices_stop_reason(client):
+    greedy = LM_EVAL_GENERATE | {"stop": None, "max_tokens": 16, "ignore_eos": True}
+    free = client.post("/v1/completions", json=greedy).json()["choices"][0]
+    assert (free["finish_reason"], free["stop_reason"]) == ("length", None)
+    stop = free["text"][len(free["text"]) // 2 : len(free["text"]) // 2 + 3]
+    stopped = client.post("/v1/completions", json=greedy | {"stop": ["never", stop]}).json()["choices"][0]
+    assert (stopped["finish_reason"], stopped["stop_reason"]) == ("stop", stop)
+
+
+def test_a_body_without_room_for_all_its_choices_is_refused_whole(ending):
+    """429 past --max-in-flight admits none of the body's choices: /stats counts none admitted and
+    none cancelled (each choice of the body used to be admitted, then cancelled, up to the full one)."""
+    long = AIPERF_COMPLETIONS | {"stream": False, "max_tokens": 150, "stream_options": None}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(ending.post, "/v1/completions", json=long)
+        while ending.get("/stats").json()["in_flight"] == 0:
+            time.sleep(0.01)
+        before = ending.get("/stats").json()
+        refused = ending.post("/v1/completions", json={"prompt": "Hi", "n": 4, "max_tokens": 2})
+        after = ending.get("/stats").json()
+        assert running.result().status_code == 200
+    assert refused.status_code == 429 and refused.headers["Retry-After"]
+    assert after["admitted"] == before["admitted"] and after["ended"] == before["ended"]
+
+
+def test_max_tokens_left_out_runs_to_the_context_in_chat_and_16_or_what_is_left_in_completions(client):
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True, "temperature": 0}
+    usage = client.post("/v1/chat/completions", json=chat).json()["usage"]
+    assert usage["completion_tokens"] == CONTEXT - usage["prompt_tokens"]  # OpenAI's chat has no default
+    near_the_end = {"prompt": [15496] * (CONTEXT - 6), "ignore_eos": True}
+    assert client.post("/v1/completions", json=near_the_end).json()["usage"]["completion_tokens"] == 6
+    assert client.post("/v1/completions", json={"prompt": "Hi", "ignore_eos": True}).json()["usage"][
+        "completion_tokens"
+    ] == 16  # fmt: skip
+    full = error(client.post("/v1/completions", json={"prompt": [15496] * CONTEXT}))
+    assert "maximum context length is 256 tokens" in full["message"]  # the words clients look for
+
+
+def test_what_sdks_add_is_accepted_and_changes_nothing(client):
+    """``store`` and ``metadata`` (OpenAI's, sent by wrappers), a tool-calling assistant turn's null
+    content, and ``stream_options.include_obfuscation`` are taken; the answer is what it is without."""
+    plain = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    expected = client.post("/v1/chat/completions", json=plain).json()["choices"][0]["message"]
+    extra = plain | {"store": False, "metadata": {"team": "lab"}}
+    assert client.post("/v1/chat/completions", json=extra).json()["choices"][0]["message"] == expected
+    turns = {"messages": [{"role": "assistant", "content": None}, {"role": "user", "content": "Hi"}]}
+    assert client.post("/v1/chat/completions", json=plain | turns).status_code == 200
+    nobody = {"messages": [{"role": "user", "content": None}]}
+    assert error(client.post("/v1/chat/completions", json=plain | nobody))["param"] == "messages[0].content"
+    options = {"stream": True, "stream_options": {"include_obfuscation": False}}
+    assert sse(client.post("/v1/chat/completions", json=plain | options))
+
+
+def test_an_echoed_prompt_that_ends_mid_character_is_decoded_with_what_follows():
+    euro = tokens.encoding().encode_single_token
+    prompt, generated = [euro(b"\xe2"), euro(b"\x82")], [euro(b"\xac")] + tokens.encode("X")
+    response = {"text": tokens.decode(generated), "tokens": generated, "stop_reason": None}
+    assert _echoed(prompt, response) == "€X"
+    assert _echoed("a", response | {"text": "b", "stop_reason": "c"}) == "ab"

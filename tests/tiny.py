@@ -70,10 +70,12 @@ class TinyModel:
     """A pass over this token raises RuntimeError."""
     tuned_lens: bool = False
     """Give it a random tuned lens (``random_lens``), so lens=tuned block sets run."""
+    eos_logit: float = 0.0
+    """Added to end-of-text's logit (``GPT.logit_bias``): a model that ends its texts at once."""
 
     def config(self) -> GPTConfig:
         return replace(TINY, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-                       block_size=self.block_size)  # fmt: skip
+                       block_size=self.block_size, logit_bias=bool(self.eos_logit))  # fmt: skip
 
     def __call__(self, device: str) -> GPT:
         with torch.random.fork_rng(devices=[]):
@@ -81,6 +83,8 @@ class TinyModel:
             model = _InstrumentedGPT(self.config())
         model.step_s, model.slow_token, model.slow_s = self.step_s, self.slow_token, self.slow_s
         model.fail_token = self.fail_token
+        if self.eos_logit:
+            model.logit_bias[tokens.EOT] = self.eos_logit
         model = model.to(device).eval()
         if self.tuned_lens:
             model.tuned_lens = random_lens(model, self.seed)
