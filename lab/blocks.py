@@ -144,7 +144,6 @@ KEYS: dict[str, Key] = {
     )
 }  # fmt: skip
 """The grammar's keys, in the order ``str()`` writes them."""
-_BY_FIELD = {key.field: key for key in KEYS.values()}
 
 # [0-9], not \d and not int() alone: both also take other scripts' digits, and int() takes '+6' and '1_2'
 _INDEX = re.compile(r"[0-9]+")

@@ -38,6 +38,7 @@ from typing import Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from jsonargparse.typing import PositiveInt
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lab import tokens
@@ -367,17 +368,19 @@ def format_report(report: dict) -> str:
 
 @dataclass
 class BuiltinOptions:
+    """Retrain the builtin model from its recipe into your cache dir, or show or remove your copy."""
+
     recipe: Literal["plain", "early-exit"] = "plain"
     """plain, or early-exit: LayerSkip's layer dropout and early-exit losses (--model
     builtin-early-exit)."""
-    steps: int = Recipe.steps
+    steps: PositiveInt = Recipe.steps
     """Optimiser steps."""
     minutes: float | None = None
     """Time-boxed instead: as many steps as fit in this many minutes here (the model then differs per
     machine)."""
     seed: int = Recipe.seed
     """Seeds the initialisation, the data order and layer dropout."""
-    threads: int | None = None
+    threads: PositiveInt | None = None
     """Torch threads, fixed: the same seed and threads give the same weights (default: one per core
     that other processes leave free, chosen again every few seconds; lab.threads)."""
     out: Path | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 import warnings
 
@@ -28,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("lab.train", "evaluate a checkpoint on the validation split"),
     "stall": ("lab.stall.cli", "reproduce the post-LN warmup stall: pre-LN vs post-LN, with/without warmup"),
     # inference
-    "builtin": ("lab.builtin", "train (once) the embedded GPT-2-shaped default model into the cache dir"),
+    "builtin": ("lab.builtin", "retrain the shipped default model (GPT-2-shaped, small) from its recipe"),
     "generate": ("lab.generate", "generate text from a model under a block set"),
     "score": ("lab.generate", "mean next-token loss of a text under a block set"),
     "serve": ("serve.app", "serve a model over HTTP with a block set chosen per request"),
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(COMMANDS[name][0])
         return module.main([name, *rest]) or 0
+    except BrokenPipeError:  # the reader left (`blocklab shapes | head`): no traceback, no more output
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit
+        return 1
     except UserError as error:
         message = str(error)
     except (FileNotFoundError, IsADirectoryError, PermissionError) as error:

@@ -25,6 +25,7 @@ import collections.abc
 import dataclasses
 import inspect
 import json
+import re
 import sys
 import types
 import typing
@@ -105,7 +106,7 @@ class Parser(ArgumentParser):
         try:
             return self.parse_args(self.jsonargparse_argv(argv))
         except ArgumentError as error:
-            raise UserError(str(error)) from None
+            raise UserError(_in_plain_words(str(error))) from None
 
     def jsonargparse_argv(self, argv: Sequence[str]) -> list[str]:
         """``argv`` with argparse's spellings (``SPELLINGS``) written as jsonargparse reads them."""
@@ -160,6 +161,20 @@ def _one_list(value: str) -> str:
 def options(cls: type[T], args: Namespace) -> T:
     """The dataclass ``cls`` made from its fields' values in ``args`` (parsed with ``add_options(cls)``)."""
     return cls(**{field.name: args[field.name] for field in dataclasses.fields(cls) if field.init})
+
+
+_POSITIVE_INT = re.compile(r'Parser key "(\w+)":.*PositiveInt', re.DOTALL)
+_GIVEN = re.compile(r"Given value: (\S+)|(-?\w+) does not conform|with base 10: '([^']*)'")
+
+
+def _in_plain_words(message: str) -> str:
+    """jsonargparse's refusal of a value for a ``PositiveInt`` flag (a union's, at length) as one plain
+    sentence; any other message as it is."""
+    flag, given = _POSITIVE_INT.search(message), _GIVEN.search(message)
+    if flag is None or given is None:
+        return message
+    value = next(group for group in given.groups() if group is not None)
+    return f"--{flag[1].replace('_', '-')} must be a whole number of at least 1, got {value}"
 
 
 def parse(cls: type[T], argv: Sequence[str], prog: str, description: str | None = None) -> T:

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from jsonargparse.typing import PositiveInt
 
 from lab import fast, tokens
 from lab.blocks import BlockSet
@@ -407,7 +408,7 @@ class ScoreCommand:
     device: Device = "auto"
     """auto (a CUDA device where torch sees one, else the CPU) | cpu | cuda. int8, int4, w4a8 and w8a8
     run on the CPU: with them auto is the CPU."""
-    threads: int | None = None
+    threads: PositiveInt | None = None
     """torch CPU threads, fixed (default: one per core other processes leave free, chosen again every
     few seconds; lab.threads)."""
     json: bool = False
@@ -418,7 +419,7 @@ class ScoreCommand:
 class GenerateCommand(ScoreCommand):
     """``blocklab generate``: text after a prompt, under a block set."""
 
-    max_new_tokens: int = 64
+    max_new_tokens: PositiveInt = 64
     """Tokens to generate at most (fewer at end-of-text or the context's end)."""
     temperature: float = 0.0
     """0: greedy."""

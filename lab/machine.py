@@ -29,10 +29,25 @@ def device_named(choice: str, dtype: str = "float32") -> str:
         return "cpu"
     if choice == "cpu" or choice == "auto" and not torch.cuda.is_available():
         return "cpu"
-    if not torch.cuda.is_available():
-        build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-        raise UserError(f"--device cuda: torch {torch.__version__} ({build}) sees no CUDA device")
+    missing = missing_accelerator("cuda")
+    if missing is not None:
+        raise UserError(f"--device cuda: {missing}")
     return "cuda:0"
+
+
+def missing_accelerator(kind: str) -> str | None:
+    """Why torch cannot run on ``kind`` (``cuda``, ``mps``) here, or None where it can (or ``kind``
+    needs no device: ``cpu``, ``auto``)."""
+    if kind not in ("cuda", "mps"):
+        return None
+    import torch
+
+    if kind == "cuda" and not torch.cuda.is_available():
+        build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        return f"torch {torch.__version__} ({build}) sees no CUDA device"
+    if kind == "mps" and not torch.backends.mps.is_available():
+        return f"torch {torch.__version__} sees no MPS device (Apple silicon's GPU)"
+    return None
 
 
 VECTOR_UNITS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from jsonargparse.typing import PositiveInt
 
 from lab.blocks import BlockSet
 from lab.errors import UserError
@@ -362,12 +363,12 @@ class PlanOptions:
     model: str = "builtin"
     """builtin | gpt2 | gpt2-random | HF id or dir | ckpt.pt"""
     dtype: str = "float32"
-    """Weights as served (lab.quantize): float32, bfloat16, float16, int8, int4."""
+    """Weights as served (lab.quantize): float32, bfloat16, float16, int8, int4, w8a8, w4a8."""
     prompts: Path | None = None
     """A text file (windowed whole) or .jsonl with a prompt field (default: held-out stdlib source)."""
-    tokens: int = 20_000
+    tokens: PositiveInt = 20_000
     """Tokens of text to use, both splits."""
-    window: int = 256
+    window: PositiveInt = 256
     """Tokens per window, at most the context."""
     max_drop: int = 4
     """K: plan for 1..K blocks dropped."""
@@ -379,7 +380,7 @@ class PlanOptions:
     """Time through this running server's /predict (loopback) instead of in-process."""
     out: Path = field(default_factory=lambda: Path("runs") / "plan")
     """Directory for plan.json and plan.png."""
-    threads: int | None = None
+    threads: PositiveInt | None = None
     """Torch CPU threads (default: torch's)."""
     json: bool = False
     """Print the plan as JSON instead of tables."""

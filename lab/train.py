@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torchmetrics import MeanMetric
 
 from lab.config import GPTConfig
@@ -477,5 +478,7 @@ def main(argv: list[str]) -> int:
             save_config_kwargs={"overwrite": True},
         )
     except ArgumentError as error:
+        raise UserError(str(error)) from None
+    except MisconfigurationException as error:  # e.g. accelerator gpu where there is none: a setting
         raise UserError(str(error)) from None
     return 0

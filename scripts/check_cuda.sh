@@ -16,6 +16,10 @@
 #   summary.txt     each step's exit status and seconds
 # and exits 1 if any step failed, 0 if all passed.
 set -uo pipefail
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'  # this header
+    exit 0
+fi
 out=${1:-cuda_check}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1

@@ -132,3 +132,10 @@ def compare(servers: dict[str, str], rounds: int, clients: int, requests: int, p
             load = closed_loop(url, clients, requests, prompt_tokens, max_tokens, seed=number)
             measured[name].append(asyncio.run(load))
     return {name: summary(values) for name, values in measured.items()}
+
+
+if __name__ == "__main__":
+    raise SystemExit(
+        "scripts/peer_serving.py is the serving comparison's library, not a command: run it through "
+        "`python scripts/bench_llama_cpp.py --serving` (see its --help)"
+    )

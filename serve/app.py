@@ -37,6 +37,7 @@ from lab import api_key as key_rule
 from lab import flags
 from lab.blocks import BlockSet
 from lab.errors import UserError
+from lab.machine import missing_accelerator
 from lab.quantize import QUANTIZED_DTYPES, WeightDtype, require_kernels
 from lab.threads import allowed_cores, yield_while_waiting
 from lab.weights import locate
@@ -146,6 +147,9 @@ class ServeConfig:
         """UserError saying what is wrong with these settings, if anything is."""
         if self.dtype in QUANTIZED_DTYPES and self.accelerator not in ("auto", "cpu"):
             raise UserError(f"--dtype {self.dtype} runs on the CPU: use --accelerator cpu (or auto)")
+        missing = missing_accelerator(self.accelerator)  # LitServe would start no worker and wait for ever
+        if missing is not None:
+            raise UserError(f"--accelerator {self.accelerator}: {missing}")
         require_kernels(self.dtype)  # before any worker starts: the workers would fail one by one
         if any(length < 1 for length in self.warm_up):
             raise UserError("--warm-up: request lengths of at least 1")

@@ -106,6 +106,8 @@ class LitServePool:
         self.workers_per_device = workers_per_device
         self.server = ls.LitServer(self.api, accelerator=accelerator, workers_per_device=workers_per_device)
         self.count = len(self.server._inference_workers_config_for_api(API_PATH))
+        if self.count == 0:  # no device of the kind: start() would wait for ever for none to be ready
+            raise RuntimeError(f"LitServe finds no {accelerator} device here: no worker to start")
         if self.count > SharedState.MAX_WORKERS:
             raise ValueError(f"{self.count} workers: at most {SharedState.MAX_WORKERS} are supported")
         cancel, taken = self.shared.cancelled.__setitem__, self.shared.was_taken

@@ -76,8 +76,8 @@ class TrafficOptions:
     serve: str | None = None
     """Start `blocklab serve --model MODEL` on a free loopback port for this run, and stop it after."""
     serve_dtype: str = "float32"
-    """The weights of the server --serve starts: float32, bfloat16, float16, or weight-only int8 / int4
-    (lab.quantize)."""
+    """The weights of the server --serve starts: float32, bfloat16, float16; weight-only int8 / int4; or
+    w8a8 / w4a8, int8 activations too (lab.quantize)."""
     api_key: str | None = None
     """The server's API key, if it has one."""
     prompts: Path | None = None
@@ -481,6 +481,8 @@ def main(argv: list[str]) -> int:
         summaries, meta = asyncio.run(run(options, options.url))
     else:
         locate(options.serve)  # a missing model fails here in one line, before a server starts
+        if options.prompts is not None:
+            read_prompts(options.prompts, options.requests)  # and so do prompts that cannot be read
         command = ["--model", options.serve, "--dtype", options.serve_dtype]
         print(f"starting blocklab serve {' '.join(command)} ...", file=sys.stderr)
         with ServerProcess(command) as server:

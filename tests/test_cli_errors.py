@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab import cli, weights
+from lab import cli, machine, weights
 from lab.config import GPTConfig
 from lab.machine import device_named
 from lab.model import GPT
@@ -148,6 +148,50 @@ def test_serve_settings_out_of_range_never_start(capsys, files, flags, message):
     assert message in one_line_error(capsys, ["serve", *flags])
 
 
+@pytest.mark.parametrize("accelerator", ["cuda", "mps"])
+def test_serve_on_an_accelerator_that_is_not_there_never_starts(capsys, files, accelerator):
+    """LitServe finds no such device, starts no worker and waited for ever for one to be ready."""
+    reason = machine.missing_accelerator(accelerator)
+    if reason is None:
+        pytest.skip(f"torch sees a {accelerator} device here")
+    line = one_line_error(capsys, ["serve", "--accelerator", accelerator])
+    assert line == f"blocklab serve: --accelerator {accelerator}: {reason}"
+
+
+@pytest.mark.parametrize(
+    "argv, flag, value",
+    [
+        (["generate", "--prompt", "x", "--threads", "0"], "--threads", "0"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens", "-3"),
+        (["depth", "--threads", "-1"], "--threads", "-1"),
+        (["timing", "--repeats", "0"], "--repeats", "0"),
+        (["flops", "--T", "256", "0"], "--T", "0"),
+        (["shapes", "--T", "0"], "--T", "0"),
+        (["cost", "--gpus", "0"], "--gpus", "0"),
+        (["lens", "cost", "--repeats", "0"], "--repeats", "0"),
+    ],
+)
+def test_counts_below_one_are_refused_in_plain_words(capsys, files, argv, flag, value):
+    """A count flag (``PositiveInt``) below 1 is refused before anything runs (0 threads or repeats
+    raised deep inside torch or statistics; --max-new-tokens -3 printed "nan ms/token")."""
+    assert one_line_error(capsys, argv).endswith(f"{flag} must be a whole number of at least 1, got {value}")
+
+
+def test_traffic_reads_its_prompts_before_it_starts_a_server(capsys, files, tiny_model):
+    line = one_line_error(capsys, ["traffic", "--serve", tiny_model, "--prompts", "missing.txt"])
+    assert line == "blocklab traffic: missing.txt: No such file or directory"
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """``blocklab shapes | true``: the pipe closes before the command writes (Python starts slower)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lab.cli", "shapes"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    process.stdout.close()
+    _, err = process.communicate(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
 def test_traffic(capsys, files):
     line = one_line_error(capsys, ["traffic", "--serve", MISSING])
     assert f"{MISSING}: no such file or directory" in line
@@ -170,7 +214,7 @@ def test_traffic(capsys, files):
         (["stall", "--config", MISSING], f"{MISSING}"),
         (["shapes", "--n-layer", "two"], 'Parser key "n_layer"'),
         (["shapes", "--n-embd", "30", "--n-head", "4"], "n_embd (30) must be divisible by n_head (4)"),
-        (["flops", "--T", "256", "x", "--no-plot"], "Got value: x"),
+        (["flops", "--T", "256", "x", "--no-plot"], "--T must be a whole number of at least 1, got x"),
         (["ablate", "--mode", "both-ways"], 'Parser key "mode"'),
         (["cost", "--gpu", "TPU"], 'Parser key "gpu"'),
         (["depth", "--baseline", "3x3"], "--baseline 3x3 is not among --stacks"),
@@ -186,6 +230,16 @@ def test_a_bad_flag_of_the_lab_or_the_measurements(capsys, files, argv, message)
 def test_training_with_a_missing_config(capsys, files, command):
     line = one_line_error(capsys, [command, "--config", f"{MISSING}.yaml"])
     assert f"{MISSING}.yaml" in line and "does not exist" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the trainer takes it")
+def test_training_on_a_gpu_that_is_not_there(capsys, files):
+    """configs/gpu.yaml on a machine without one: Lightning's refusal, in one line."""
+    configs = Path(__file__).parents[1] / "configs"
+    argv = ["fit", "--config", str(configs / "preln.yaml"), "--config", str(configs / "gpu.yaml")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err  # Lightning's "Seed set to 1" comes first
+    assert "Traceback" not in err and err.splitlines()[-1] == "blocklab fit: No supported gpu backend found!"
 
 
 def blocklab_process(*argv: str, **env: str) -> list[str]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from jsonargparse.typing import PositiveInt
 
 from lab.analysis.designs import DESIGNS, Design
 from lab.config import PRESETS, GPTConfig
@@ -89,7 +90,8 @@ class DesignModel:
     model: str | None = None
     """Use the shapes of a model blocklab loads (builtin, gpt2-random, HUB_ID, DIR, CKPT)."""
     dtype: WeightDtype = "float32"
-    """The --model's weights' type: float32, bfloat16, float16, or weight-only int8 / int4."""
+    """The --model's weights' type: float32, bfloat16, float16; weight-only int8 / int4; or w8a8 / w4a8
+    (int8 activations too)."""
 
 
 @dataclass
@@ -118,7 +120,7 @@ class Text:
 
     text: Path | None = None
     """UTF-8 text file (default: standard-library source the builtin model never trained on)."""
-    tokens: int = 1024
+    tokens: PositiveInt = 1024
     """Use the first N tokens of the text, at most the model's context."""
 
 

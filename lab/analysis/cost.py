@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from jsonargparse.typing import PositiveInt
+
 from lab import flags
 from lab.analysis import common
 from lab.analysis.designs import Design
@@ -125,7 +127,7 @@ class TrainingRun:
     """Iterations."""
     gpu: Accelerator = "A100"
     """Accelerator of --step-time."""
-    gpus: int = 8
+    gpus: PositiveInt = 8
     """Accelerators."""
     peak: float | None = None
     """Override --gpu's peak, TFLOP/s."""

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from jsonargparse.typing import PositiveInt
 
 from lab import flags
 from lab.analysis import common
@@ -217,11 +218,11 @@ class DepthOptions:
     """Vocabulary (default: GPT-2's)."""
     prompt: int = 16
     """Prompt tokens."""
-    new: int = 32
+    new: PositiveInt = 32
     """Decoded tokens per run."""
-    repeats: int = 3
+    repeats: PositiveInt = 3
     """Decode runs per stack."""
-    threads: int = 2
+    threads: PositiveInt = 2
     """Torch threads."""
     dtype: common.WeightDtype = "float32"
     """The weights' type: float32, bfloat16, float16, or weight-only int8 / int4 (on the CPU)."""

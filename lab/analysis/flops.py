@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from jsonargparse.typing import PositiveInt
 from torch.utils.flop_counter import FlopCounterMode
 
 from lab import flags
@@ -184,7 +185,7 @@ def plot(design: Design, report: dict, args) -> str | None:
 class FlopsOptions:
     """What to count."""
 
-    T: tuple[int, ...] = (256, 1024)
+    T: tuple[PositiveInt, ...] = (256, 1024)
     """Positions attended to."""
     no_count: bool = False
     """Formula only: skip the FLOP counter's forward passes."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from jsonargparse.typing import PositiveInt
 
 from lab import flags
 from lab.analysis import common
@@ -153,9 +154,11 @@ def render(report: dict, name: str) -> str:
 
 @dataclass
 class ShapesOptions:
-    T: int | None = None
+    """The six tensors of one Block with their shapes and parameters."""
+
+    T: PositiveInt | None = None
     """Positions (default: the config's context length)."""
-    batch: int = 1
+    batch: PositiveInt = 1
     """Batch size B."""
 
 

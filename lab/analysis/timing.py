@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
+from jsonargparse.typing import PositiveInt
 
 from lab import flags
 from lab.analysis import common
@@ -107,13 +108,13 @@ OWN_FIELDS = ("attention",)
 class TimingOptions:
     """What to time."""
 
-    T: tuple[int, ...] = (256, 1024, 4096)
+    T: tuple[PositiveInt, ...] = (256, 1024, 4096)
     """Positions."""
     attention: tuple[Literal["eager", "sdpa"], ...] = ("eager", "sdpa")
     """The attention implementations to time."""
-    repeats: int = 3
+    repeats: PositiveInt = 3
     """Timed runs per measurement."""
-    threads: int = 2
+    threads: PositiveInt = 2
     """Torch threads."""
 
 

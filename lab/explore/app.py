@@ -1,7 +1,7 @@
 """blocklab explore: the Block, its parameters, the bus, ablation and the latency/loss frontier on one
 local page, computed live on your model and text.
 
-    blocklab explore                                   # builtin if created, else gpt2-random
+    blocklab explore                                   # the builtin model (shipped)
     blocklab explore --model gpt2-random --text notes.txt --port 8001
     blocklab explore --host 0.0.0.0 --api-key KEY      # reachable from elsewhere: with a key
 
@@ -141,8 +141,7 @@ class ExploreConfig:
     """Everything ``blocklab explore`` takes; each field is a command-line option of the same name."""
 
     model: str | None = None
-    """builtin | gpt2-random | Hugging Face id | local dir | checkpoint (default: builtin if created,
-    else gpt2-random)."""
+    """builtin | gpt2-random | Hugging Face id | local dir | checkpoint (default: builtin, shipped)."""
     text: Path | None = None
     """UTF-8 text for the bus and ablation views (default: standard-library source the builtin model
     never trained on)."""

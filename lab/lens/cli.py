@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from jsonargparse.typing import PositiveInt
 
 from lab import tokens
 from lab.analysis import common
@@ -50,7 +51,7 @@ class FitOptions:
     library's training files)."""
     blocks: list[int] | None = None
     """Block indices whose translators to fit (exit=E reads block E-1; default: all but the last)."""
-    steps: int = fit.Recipe.steps
+    steps: PositiveInt = fit.Recipe.steps
     """Optimiser steps."""
     rank: int | None = None
     """Translators of rank R (identity + U V^T); default: full D x D."""
@@ -58,7 +59,7 @@ class FitOptions:
     """Save the lens in this directory (default: beside the model; the cache dir for builtin models)."""
     resume: bool = False
     """Continue from the checkpoint an interrupted fit left in the output directory."""
-    windows: int = data.CALIBRATION_WINDOWS
+    windows: PositiveInt = data.CALIBRATION_WINDOWS
     """At most this many windows of text; every 8th is held out to measure the fit."""
     windows_per_step: int = fit.Recipe.windows_per_step
     """Windows whose positions make one step's batch."""
@@ -71,7 +72,7 @@ class FitOptions:
     lr: float | None = None
     """Peak learning rate, decayed linearly to zero (default: 0.01 / sqrt(width) for whitened, 0.1 for
     tuned-lens)."""
-    threads: int | None = None
+    threads: PositiveInt | None = None
     """Torch threads (default: the cores; on a loaded machine 1 can be much faster)."""
     seed: int = 0
     """Seeds the order of the windows."""
@@ -89,7 +90,7 @@ class ReportOptions:
     text: Path | None = None
     """UTF-8 text to measure on (default: standard-library files the builtin models never trained on,
     which the default fit never reads either)."""
-    tokens: int = 8192
+    tokens: PositiveInt = 8192
     """Use the first N tokens of the text, in windows of the model's context."""
     lens: Path | None = None
     """The directory holding tuned_lens.safetensors (default: where `blocklab lens fit` saves it)."""
@@ -107,7 +108,7 @@ class CostOptions:
 
     model: str | None = None
     """Whose shapes to time (weights do not matter: gpt2-random is GPT-2 small's shapes)."""
-    repeats: int = 200
+    repeats: PositiveInt = 200
     """Timed calls of each."""
     json: bool = False
     """Print one JSON object instead of the table."""
