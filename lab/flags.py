@@ -129,6 +129,9 @@ class Parser(ArgumentParser):
                 out.append(f"--{name}")
             elif kind == "bool":
                 given = bool(rest) and rest[0].lower() in ("true", "false")
+                if rest and not given and not rest[0].startswith("-"):  # no command takes positionals
+                    flag = f"--{name.replace('_', '-')}"
+                    raise UserError(f"{flag}: true or false (or the flag alone), got {rest[0]!r}")
                 out += [f"--{name}", rest.pop(0) if given else "true"]
             else:
                 words = []
