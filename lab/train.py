@@ -464,8 +464,22 @@ class LabCLI(LightningCLI):
         self.config = config
 
 
+def _missing_checkpoint(argv: list[str]) -> str | None:
+    """The ``--ckpt_path`` given that names no file (Lightning's "best", "last", ... aside), or None.
+    Lightning would look for it only after the run directory and its logs were written."""
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg == "--ckpt_path" and i + 1 < len(argv) else None
+        path = arg.partition("=")[2] if arg.startswith("--ckpt_path=") else path
+        if path and path not in ("best", "last", "hpc", "registry", "null") and not Path(path).exists():
+            return path
+    return None
+
+
 def main(argv: list[str]) -> int:
     """``blocklab fit|validate [--config YAML] [overrides]``: argv[0] is the subcommand."""
+    missing = _missing_checkpoint(argv)
+    if missing is not None:
+        raise UserError(f"--ckpt_path {missing}: no such file")
     try:
         LabCLI(
             LitGPT,

@@ -233,6 +233,12 @@ def test_training_with_a_missing_config(capsys, files, command):
     assert f"{MISSING}.yaml" in line and "does not exist" in line
 
 
+def test_validating_a_missing_checkpoint_writes_nothing(capsys, files):
+    line = one_line_error(capsys, ["validate", "--ckpt_path", f"{MISSING}.ckpt"])
+    assert line == f"blocklab validate: --ckpt_path {MISSING}.ckpt: no such file"
+    assert not (files / "runs").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the trainer takes it")
 def test_training_on_a_gpu_that_is_not_there(capsys, files):
     """configs/gpu.yaml on a machine without one: Lightning's refusal, in one line."""
