@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # a command's own early exit with a message, e.g. serve/traffic.py's checks of its options
         message = error.code.removeprefix(f"blocklab {name}: ")
+    if rest and rest[0] in getattr(sys.modules.get(COMMANDS[name][0]), "SUBCOMMANDS", ()):  # lens report
+        name = f"{name} {rest[0]}"
     # one line even when a message quotes a multi-line error from a library
     print(f"blocklab {name}: " + " ".join(message.split()), file=sys.stderr)
     return 2

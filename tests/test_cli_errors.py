@@ -53,7 +53,8 @@ def one_line_error(capsys, argv: list[str]) -> str:
     err = capsys.readouterr().err
     lines = err.splitlines()
     assert len(lines) == 1, err
-    assert lines[0].startswith(f"blocklab {argv[0]}: ")
+    command = " ".join(argv[:2]) if argv[0] == "lens" else argv[0]  # lens names its subcommand too
+    assert lines[0].startswith(f"blocklab {command}: ")
     assert "Traceback" not in err
     return lines[0]
 
