@@ -34,7 +34,9 @@ FAST_KINDS = [
 ]
 EAGER_KINDS = ["adaptive=0.9;min=2", "speculate=2;k=3"]  # under CUDA graphs (speculation compiles on the CPU)
 SPECULATING = [
-    "speculate=2;k=3", "skip=1;speculate=2;k=2;lens=tuned", "speculate=1;k=4;overwrite=2",
+    "speculate=2;k=3",
+    "skip=1;speculate=2;k=2;lens=tuned",
+    "speculate=1;k=4;overwrite=2",
     "speculate=2;k=3;vocab=4096;lens=tuned",
 ]
 

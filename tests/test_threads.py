@@ -122,7 +122,7 @@ def test_a_compiling_worker_builds_its_default_step_at_every_thread_count_it_may
     worker = Worker(factory, SharedState(4), max_threads=2, warm_up=(100,), warm_up_blocks="exit=1")
     worker.choose_threads("cpu")
     worker.load("cpu")
-    (key, step), = worker.model.fast.steps.items()
+    ((key, step),) = worker.model.fast.steps.items()
     assert key == ("step", (0,), frozenset(), None, 128) and step.warm_threads == {1, 2}
     assert worker.shared.limits() is not None
 
