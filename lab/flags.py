@@ -104,9 +104,12 @@ class Parser(ArgumentParser):
     def parse(self, argv: Sequence[str]) -> Namespace:
         """``argv`` parsed (argparse's spellings first translated); a bad flag or value is a UserError."""
         try:
-            return self.parse_args(self.jsonargparse_argv(argv))
+            args = self.parse_args(self.jsonargparse_argv(argv))
         except ArgumentError as error:
             raise UserError(_in_plain_words(str(error))) from None
+        for key, value in args.items():
+            args[key] = _plain(value)
+        return args
 
     def jsonargparse_argv(self, argv: Sequence[str]) -> list[str]:
         """``argv`` with argparse's spellings (``SPELLINGS``) written as jsonargparse reads them."""
@@ -164,6 +167,21 @@ def _one_list(value: str) -> str:
 def options(cls: type[T], args: Namespace) -> T:
     """The dataclass ``cls`` made from its fields' values in ``args`` (parsed with ``add_options(cls)``)."""
     return cls(**{field.name: args[field.name] for field in dataclasses.fields(cls) if field.init})
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with jsonargparse's checked numbers (``PositiveInt``, a subclass of int) as plain ints
+    and floats: they travel into checkpoints that ``torch.load(weights_only=True)`` reads back, and
+    it unpickles no class of jsonargparse's."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int) and type(value) is not int:
+        return int(value)
+    if isinstance(value, float) and type(value) is not float:
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item) for item in value)
+    return value
 
 
 _POSITIVE_INT = re.compile(r'Parser key "(\w+)":.*PositiveInt', re.DOTALL)

@@ -109,7 +109,7 @@ class ServeConfig:
     """Most requests admitted at once (queued or running); past it, 429 with Retry-After."""
     max_prompts_per_request: int | None = None
     """Most choices (prompts times n) in one OpenAI request, each taking a slot of --max-in-flight
-    (default: a quarter of it), so one client cannot take every slot; more get 422."""
+    (default: a quarter of it), so one client cannot take every slot; more get 400."""
     queue_timeout: float = 30.0
     """Seconds a request may wait for a worker before it gets 504."""
     request_timeout: float = 300.0

@@ -522,6 +522,10 @@ class Engine:
             if event is not None:
                 events.append((row.key, event))
         if row.generation.finished:
+            generation = row.generation
+            if generation.finish_reason == "stop" and generation.stop_reason is None:
+                # end-of-text: drawn by a step as any token (vLLM counts it; tokens leave it out)
+                self.tally("tokens_generated", 1)
             events += self._end(row)
         return events
 

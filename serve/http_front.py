@@ -363,8 +363,8 @@ class Front:
         self, requests: list[PredictRequest], needs: frozenset[str] = frozenset()
     ) -> list[Submission]:
         """``admit`` for the requests of one body (an OpenAI body's choices), all or none: every one is
-        checked before any is submitted, and if the pool fills part way, those submitted are
-        withdrawn uncounted (the body was refused, not cancelled)."""
+        checked, and the pool's room for all of them, before any is submitted (a body refused is not
+        a body cancelled: no worker sees its jobs)."""
         limits = self.limits()
         if limits is None:
             self.metrics.refused(503, "loading")
@@ -377,11 +377,18 @@ class Front:
                 raise HTTPException(422, error.detail()) from None
         channels = []
         try:
+            room = self.pool.room()
+            if room < len(jobs):
+                raise PoolFull(
+                    f"--max-in-flight: {room} slots free, {len(jobs)} needed; retry after Retry-After"
+                )
             for job in jobs:
                 channels.append(self.pool.submit(job))
-        except PoolFull as error:
-            for channel in channels:  # not run: the worker drops a closed job it has not finished
+        except BaseException as error:  # none of the body runs (none was submitted, unless room lied)
+            for channel in channels:
                 channel.close()
+            if not isinstance(error, PoolFull):
+                raise
             self.metrics.refused(429, "in_flight")
             raise HTTPException(429, str(error), self._retry_after()) from None
         self.admitted += len(channels)

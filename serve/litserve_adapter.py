@@ -188,6 +188,9 @@ class LitServePool:
 
     # -- the HTTP side's calls, in the event loop's thread ------------------------------------------
 
+    def room(self) -> int:
+        return len(self.board.free_slots)
+
     def submit(self, job: Job) -> Channel:
         order, channel = self.board.open(job)
         for ticket in [ticket for ticket in self.placed if ticket not in self.board.channels]:

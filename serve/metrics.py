@@ -57,7 +57,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import Response
 
 from lab.blocks import BlockSet
-from serve.schema import MAX_NEW_TOKENS, MAX_PROMPT_IDS, Job
+from serve.schema import MAX_NEW_TOKENS, MAX_PROMPT_IDS, Job, new_token_count
 
 # vLLM's buckets, so its dashboards' quantiles read the same
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -193,7 +193,7 @@ class Metrics:
 
     def _done(self, job: Job, kind: str, response: dict, token_gaps: list[float], n_layer: int) -> None:
         model = self.model_name
-        timings, made = response["timings"], len(response["tokens"])
+        timings, made = response["timings"], new_token_count(response)
         self.success.labels(model, response["finish_reason"]).inc()
         self.e2e.labels(model).observe(timings["total_ms"] / 1000)
         self.queue.labels(model).observe(timings["queue_ms"] / 1000)

@@ -17,7 +17,7 @@ in the first pass when nothing is generated, else in a scoring request after it.
 carries a ``blocklab`` object: the block set as run, blocks per token, server timings. ``n``
 choices of each prompt are requests of their own (choice j of a seeded body drawn with seed + j).
 What is not implemented (``best_of`` > 1, tools, penalties, ``logit_bias``, ``logprobs`` > 1,
-...) is refused with 422 whose ``param`` names it, never silently ignored; OpenAI's explicit nulls
+...) is refused with 400 whose ``param`` names it, never silently ignored; OpenAI's explicit nulls
 mean the default (the bodies' models: ``serve.openai_schema``). Chat turns are rendered as a plain transcript
 (``role: content`` lines, then ``assistant:``): the served models are not chat-tuned.
 """
@@ -45,7 +45,7 @@ from serve.openai_schema import (
     StreamOptions,
     chat_prompt,
 )
-from serve.schema import MAX_NEW_TOKENS, MIN_TOP_P, PredictRequest
+from serve.schema import MAX_NEW_TOKENS, MIN_TOP_P, PredictRequest, ended_at_eos, new_token_count
 
 SAMPLING_EPS = 1e-5
 """A temperature below this is greedy, as vLLM reads it (clients send 1e-7 and the like for greedy)."""
@@ -101,15 +101,10 @@ def _finish_reason(reason: str) -> str:
     return "stop" if reason == "stop" else "length"
 
 
-def _ended_at_eos(response: dict) -> bool:
-    """Whether end-of-text ended it: OpenAI and vLLM count that token, and list it with its logprob,
-    though the text leaves it out (a ``PredictResponse``'s ``tokens`` do too)."""
-    return response["finish_reason"] == "stop" and response["stop_reason"] is None
-
-
 def _generated_ids(response: dict) -> list[int]:
-    """The tokens it generated as OpenAI counts them: end-of-text included when it ended it."""
-    return response["tokens"] + ([tokens.EOT] if _ended_at_eos(response) else [])
+    """The tokens it generated as OpenAI counts them and lists their logprobs: end-of-text included
+    when it ended it (``serve.schema.new_token_count``), though the text leaves it out."""
+    return response["tokens"] + ([tokens.EOT] if ended_at_eos(response) else [])
 
 
 def _blocklab(response: dict) -> dict:
@@ -302,7 +297,7 @@ class _Route:
             whole["choices"].append(choice)
         whole["usage"] = _usage(
             translation.prompt_tokens([response["prompt_tokens"] for response in responses]),
-            sum(len(_generated_ids(response)) for response in responses),
+            sum(new_token_count(response) for response in responses),
         )
         whole["blocklab"] = _blocklab(responses[0])
         return JSONResponse(whole)
@@ -356,7 +351,7 @@ class _Route:
             # the generated tokens that begin within the text, decoded on its own as the text is: not
             # those of a stop string, which the text leaves out
             kept = sum(at < len(response["text"]) for at in tokens.char_offsets(response["tokens"]))
-            kept += _ended_at_eos(response)
+            kept += ended_at_eos(response)
             result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             positions = range(first, len(prompt_ids) + kept)
             offsets = tokens.char_offsets(ids[position] for position in positions)
@@ -414,24 +409,19 @@ class _Route:
                         "message": event["message"],
                         "type": "server_error",
                         "param": None,
-                        "code": event["status"],
+                        "code": 400 if event["status"] == 422 else event["status"],  # as whole answers
                     }
                     yield chunk({"error": error})
                     return
                 response = event["response"]
                 if not options.continuous_usage_stats and index % translation.n == 0:  # each prompt once
                     usage[0] += response["prompt_tokens"]
-                usage[1] += len(_generated_ids(response))
+                usage[1] += new_token_count(response)
                 rest = response["text"][len(sent) :]  # bytes of a character still open at the end
-                last = {
-                    **envelope,
-                    "choices": [
-                        self._choice(
-                            index, rest, _finish_reason(response["finish_reason"]), True, first=not made
-                        )
-                    ],
-                    "blocklab": _blocklab(response),
-                }
+                reason = _finish_reason(response["finish_reason"])
+                final = self._choice(index, rest, reason, True, first=not made)
+                final["stop_reason"] = response["stop_reason"]  # on the choice's last chunk, as vLLM's
+                last = {**envelope, "choices": [final], "blocklab": _blocklab(response)}
                 if options.continuous_usage_stats:
                     last["usage"] = _usage(*usage)
                 yield chunk(last)

@@ -2,7 +2,7 @@
 
 OpenAI's fields with OpenAI's defaults and bounds, vLLM's extras (``top_k``, ``min_tokens``,
 ``ignore_eos``) as load tools send them, and blocklab's own ``blocks``. What the server does not
-implement is accepted only at the values that mean "off" (``_only``), so it is refused with 422
+implement is accepted only at the values that mean "off" (``_only``), so it is refused with 400
 naming the field, never silently ignored; ``None`` (absent or an explicit null) is OpenAI's default.
 """
 

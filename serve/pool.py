@@ -203,6 +203,9 @@ class WorkerPool(Protocol):
     def submit(self, job: Job) -> Channel:
         """Queue ``job`` for a worker; its channel. PoolFull when every slot is taken."""
 
+    def room(self) -> int:
+        """Slots free now: jobs ``submit`` takes before PoolFull."""
+
     def ready(self) -> bool:
         """Every worker has loaded the model (False while one starts or is replaced)."""
 

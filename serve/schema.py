@@ -403,6 +403,18 @@ class ErrorEvent(_Response):
     message: str
 
 
+def ended_at_eos(response: dict) -> bool:
+    """Whether end-of-text ended the generation of ``response`` (a ``PredictResponse`` as a dict)."""
+    return response["finish_reason"] == "stop" and response["stop_reason"] is None
+
+
+def new_token_count(response: dict) -> int:
+    """The tokens ``response`` generated as OpenAI and vLLM count them (usage, the server's counters,
+    ``vllm:generation_tokens``): its ``tokens``, and end-of-text where that ended it (a token drawn
+    by a decode step like any other, though ``tokens`` and ``text`` leave it out)."""
+    return len(response["tokens"]) + ended_at_eos(response)
+
+
 def error_event(status: int, message: str) -> dict:
     """An ``ErrorEvent`` as the plain dict events travel as."""
     return ErrorEvent(status=status, message=message).model_dump()

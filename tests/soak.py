@@ -33,6 +33,7 @@ import numpy as np
 from lab.blocks import BlockSet
 from lab.measure import latency_ms
 from serve.client import BadStream, StreamError, StreamReader, closed_loop
+from serve.schema import new_token_count
 from serve.traffic import default_block_sets, fit_prompt, read_prompts
 
 KINDS = (
@@ -176,7 +177,7 @@ def _check_summary(shot: Shot, response: dict) -> tuple[str, int]:
     _check_echo(shot, response["seed"], response["block_set"], len(response["tokens"]), "max_new_tokens")
     if shot.body["score"] and not np.isfinite(response["score"]["mean_loss"]):
         raise BadAnswer(f"loss {response['score']['mean_loss']}")
-    return response["text"], len(response["tokens"])
+    return response["text"], new_token_count(response)
 
 
 def _check_blocklab(shot: Shot, answer: dict) -> None:
@@ -194,8 +195,8 @@ async def _read_ndjson(shot: Shot, lines) -> tuple[str, int, str]:
     response = reader.result()
     text, new_tokens = _check_summary(shot, response.model_dump())
     pieces = "".join(token.text for token in reader.tokens)
-    if new_tokens != len(reader.tokens) or not text.startswith(pieces):
-        raise BadAnswer(f"{len(reader.tokens)} token events but {new_tokens} tokens in the summary")
+    if len(response.tokens) != len(reader.tokens) or not text.startswith(pieces):
+        raise BadAnswer(f"{len(reader.tokens)} token events but {len(response.tokens)} tokens in the summary")
     return text, new_tokens, response.id
 
 
@@ -212,7 +213,9 @@ async def _read_sse(shot: Shot, lines) -> tuple[str, int, str]:
             if last is None or "blocklab" not in last:
                 raise BadAnswer("[DONE] without a final chunk")
             _check_blocklab(shot, last)
-            return text, len(last["blocklab"]["blocks_per_token"]), str(last["blocklab"]["seed"])
+            choice = last["choices"][0]  # end-of-text that ended it ran no token event, but counts
+            eos = choice["finish_reason"] == "stop" and choice["stop_reason"] is None
+            return text, len(last["blocklab"]["blocks_per_token"]) + eos, str(last["blocklab"]["seed"])
         chunk = json.loads(data)
         if "error" in chunk:
             raise SseError(chunk["error"]["code"], chunk["error"]["message"])

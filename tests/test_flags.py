@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+import torch
+from jsonargparse.typing import PositiveInt
 
 from lab import cli, flags
 from lab.errors import UserError
@@ -138,3 +140,28 @@ def test_blocklab_tokenizer_writes_the_directory_and_refuses_no_out(tmp_path, ca
     assert json.loads((tmp_path / "gpt2" / "config.json").read_text()) == {"model_type": "gpt2"}
     assert cli.main(["tokenizer"]) == 2
     assert capsys.readouterr().err.strip() == "blocklab tokenizer: the following arguments are required: out"
+
+
+@dataclass
+class Counts:
+    """Counts of a test command."""
+
+    steps: PositiveInt = 3
+    """Steps."""
+    sizes: tuple[PositiveInt, ...] = (1,)
+    """Sizes."""
+    threads: PositiveInt | None = None
+    """Threads."""
+
+
+def test_counts_are_checked_and_come_out_as_plain_ints(tmp_path):
+    """``PositiveInt`` checks a count; its value is a plain int afterwards, so it pickles into a
+    checkpoint that ``torch.load(weights_only=True)`` reads back (a lens fit resumed failed on it)."""
+    parsed = flags.parse(Counts, ["--steps", "5", "--sizes", "2", "7", "--threads", "2"], "test")
+    assert (parsed.steps, parsed.sizes, parsed.threads) == (5, (2, 7), 2)
+    assert {type(value) for value in (parsed.steps, *parsed.sizes, parsed.threads)} == {int}
+    torch.save({"recipe": vars(parsed)}, tmp_path / "checkpoint.pt")
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["recipe"]["steps"] == 5
+    for argv in (["--steps", "0"], ["--threads", "-2"], ["--sizes", "3", "0"]):
+        with pytest.raises(UserError, match=r"must be a whole number of at least 1, got -?0|-2"):
+            flags.parse(Counts, argv, "test")

@@ -388,10 +388,10 @@ def test_end_of_text_is_counted_and_listed_with_its_logprob_as_openai_does(endin
     that token is end-of-text it must be there (OpenAI's and vLLM's answers have it), or the sum
     loses the continuation's last token. The usage counts it too; the text leaves it out."""
     ids = LM_EVAL_LOGLIKELIHOOD["prompt"][0]
-    choice, usage = itemgetter("choices", "usage")(
-        ending.post("/v1/completions", json=LM_EVAL_LOGLIKELIHOOD).json()
-    )
-    [choice] = choice
+    generated = ending.get("/stats").json()["tokens_generated"]
+    answer = ending.post("/v1/completions", json=LM_EVAL_LOGLIKELIHOOD).json()
+    [choice], usage = answer["choices"], answer["usage"]
+    assert ending.get("/stats").json()["tokens_generated"] == generated + 1  # the server counts it too
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
     assert choice["text"] == tokens.decode(ids) and usage["completion_tokens"] == 1
     details = choice["logprobs"]
@@ -409,7 +409,8 @@ def test_end_of_text_is_counted_and_listed_with_its_logprob_as_openai_does(endin
         )
     )
     assert streamed[-1]["usage"]["completion_tokens"] == 1
-    assert streamed[-2]["choices"][0]["finish_reason"] == "stop"
+    last = streamed[-2]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", None)
 
 
 def test_a_stop_string_is_the_choices_stop_reason(client):
@@ -419,11 +420,16 @@ def test_a_stop_string_is_the_choices_stop_reason(client):
     stop = free["text"][len(free["text"]) // 2 : len(free["text"]) // 2 + 3]
     stopped = client.post("/v1/completions", json=greedy | {"stop": ["never", stop]}).json()["choices"][0]
     assert (stopped["finish_reason"], stopped["stop_reason"]) == ("stop", stop)
+    body = greedy | {"stop": ["never", stop], "stream": True}
+    *chunks, last = sse(client.post("/v1/completions", json=body))
+    assert (last["choices"][0]["finish_reason"], last["choices"][0]["stop_reason"]) == ("stop", stop)
+    assert not any("stop_reason" in chunk["choices"][0] for chunk in chunks)  # the choice's last chunk
 
 
 def test_a_body_without_room_for_all_its_choices_is_refused_whole(ending):
     """429 past --max-in-flight admits none of the body's choices: /stats counts none admitted and
-    none cancelled (each choice of the body used to be admitted, then cancelled, up to the full one)."""
+    none cancelled, by the front or by a worker (each choice of the body used to be admitted, then
+    cancelled, up to the full one; then submitted and withdrawn, which its worker counted)."""
     long = AIPERF_COMPLETIONS | {"stream": False, "max_tokens": 150, "stream_options": None}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(ending.post, "/v1/completions", json=long)
@@ -431,10 +437,12 @@ def test_a_body_without_room_for_all_its_choices_is_refused_whole(ending):
             time.sleep(0.01)
         before = ending.get("/stats").json()
         refused = ending.post("/v1/completions", json={"prompt": "Hi", "n": 4, "max_tokens": 2})
-        after = ending.get("/stats").json()
         assert running.result().status_code == 200
+    after = ending.get("/stats").json()
     assert refused.status_code == 429 and refused.headers["Retry-After"]
-    assert after["admitted"] == before["admitted"] and after["ended"] == before["ended"]
+    assert after["admitted"] == before["admitted"]
+    assert after["ended"]["cancelled"] == before["ended"]["cancelled"] == 0
+    assert after["requests_cancelled"] == before["requests_cancelled"] == 0
 
 
 def test_max_tokens_left_out_runs_to_the_context_in_chat_and_16_or_what_is_left_in_completions(client):

@@ -62,6 +62,9 @@ class ThreadPool:
     def stop(self) -> None:
         pass
 
+    def room(self) -> int:
+        return len(self.board.free_slots)
+
     def submit(self, job: Job) -> Channel:
         order, channel = self.board.open(job)
         self.orders.append(order)
