@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import select
 import sys
 import warnings
 
@@ -93,6 +94,17 @@ def _quiet_known_noise() -> None:
     )
 
 
+def _output_reader_left() -> bool:
+    """Whether standard output is a pipe whose reader has gone (`blocklab shapes | head`): then the
+    command just stops, without a traceback. Linux polls such a pipe as an error."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+    except (AttributeError, ValueError, OSError):  # no poll, or no real file behind stdout
+        return False
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -107,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(COMMANDS[name][0])
         return module.main([name, *rest]) or 0
-    except BrokenPipeError:  # the reader left (`blocklab shapes | head`): no traceback, no more output
+    except BrokenPipeError:
+        if not _output_reader_left():  # another pipe (a worker's, say) broke: a bug, with its traceback
+            raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit
         return 1
     except UserError as error:

@@ -193,6 +193,17 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
     assert "Traceback" not in err and "BrokenPipeError" not in err
 
 
+def test_a_pipe_whose_reader_left_is_told_from_one_still_read(monkeypatch):
+    """Only our output's reader leaving ends a command quietly; another broken pipe keeps its traceback."""
+    read, write = os.pipe()
+    with os.fdopen(write, "w") as out:
+        monkeypatch.setattr(sys, "stdout", out)
+        assert not cli._output_reader_left()
+        os.close(read)
+        assert cli._output_reader_left()
+        monkeypatch.undo()
+
+
 def test_traffic(capsys, files):
     line = one_line_error(capsys, ["traffic", "--serve", MISSING])
     assert f"{MISSING}: no such file or directory" in line
