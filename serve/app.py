@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import signal
+import socket
 import subprocess
 from dataclasses import dataclass, replace
 from importlib import metadata
@@ -333,6 +334,23 @@ def options(argv: list[str]) -> ServeConfig:
     return config
 
 
+def check_port_free(host: str, port: int) -> None:
+    """UserError if ``host:port`` cannot be bound now, as uvicorn would find only once every worker had
+    loaded the model (a second server on the same port, say). Port 0 (any free port) always can."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise UserError(
+                f"--host {host} --port {port}: {reason} (stop what listens there, or --port 0)"
+            ) from None
+
+
 def main(argv: list[str], model_factory: ModelFactory | None = None) -> int:
     config = options(argv[1:])
     if config.api_key is None:
@@ -341,6 +359,7 @@ def main(argv: list[str], model_factory: ModelFactory | None = None) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     key_rule.warn_if_open(config.host, config.api_key, logger)
+    check_port_free(config.host, config.port)  # before the workers load the model, not after
     if model_factory is None:  # a missing model fails here in one line, not in every worker
         locate(config.model)
     yield_while_waiting()  # for the workers, which import torch after this (lab.cli did it for blocklab)

@@ -149,6 +149,15 @@ def test_serve_settings_out_of_range_never_start(capsys, files, flags, message):
     assert message in one_line_error(capsys, ["serve", *flags])
 
 
+def test_serve_on_a_port_in_use_says_so_before_loading_anything(capsys, files):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = one_line_error(capsys, ["serve", "--port", str(port)])  # the builtin is missing: not loaded
+    assert line.startswith(f"blocklab serve: --host 127.0.0.1 --port {port}: Address already in use")
+
+
 @pytest.mark.parametrize("accelerator", ["cuda", "mps"])
 def test_serve_on_an_accelerator_that_is_not_there_never_starts(capsys, files, accelerator):
     """LitServe finds no such device, starts no worker and waited for ever for one to be ready."""
