@@ -1,5 +1,6 @@
 """OpenAI-compatible routes over the same workers: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, for the stock ``openai`` client and the tools built on it (aiperf, lm-eval).
+``/v1/responses`` (text), ``/v1/models``, for the stock ``openai`` client and the tools built on it
+(aiperf, lm-eval, GuideLLM).
 
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="KEY or anything")
     out = client.completions.create(model="builtin", prompt="def main(", max_tokens=20,
@@ -42,6 +43,7 @@ from serve.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIRequest,
+    ResponsesRequest,
     StreamOptions,
     chat_prompt,
 )
@@ -433,6 +435,126 @@ class _Route:
                 submission.close()
 
 
+class _Responses:
+    """``POST /v1/responses``: OpenAI's Responses API for text, one prompt (the turns as a transcript,
+    as chat's), answered whole as a ``response`` object or streamed as its semantic events (each
+    ``event: TYPE`` with a ``sequence_number``, ending with ``response.completed``, or
+    ``response.incomplete`` where ``max_output_tokens`` cut it; no ``[DONE]``)."""
+
+    def __init__(self, front: Front, model_name: str):
+        self.front = front
+        self.model_name = model_name
+
+    async def respond(self, body: ResponsesRequest, translation: _Translation, client: Request) -> Response:
+        [submission] = translation.admit(self.front, [translation.request(translation.prompts[0])])
+        ids = {
+            "id": "resp_" + uuid.uuid4().hex,
+            "item": "msg_" + uuid.uuid4().hex,
+            "created": int(time.time()),
+        }
+        try:
+            if body.stream:
+                first = await submission.next_event(client)
+                if first["event"] == "error":
+                    return self.front.error_response(first, client.url.path)
+                submission.stop_watching()  # the streaming response sees its client leave
+                events = self._events(body, ids, first, submission)
+                submission = None  # the stream closes it
+                return StreamingResponse(events, media_type="text/event-stream")
+            event = await submission.final_event(client)
+        finally:
+            if submission is not None:
+                submission.close()
+        if event["event"] == "error":
+            return self.front.error_response(event, client.url.path)
+        return JSONResponse(self._response(body, ids, event["response"]))
+
+    def _message(self, ids: dict, text: str | None, status: str) -> dict:
+        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+        return {
+            "type": "message",
+            "id": ids["item"],
+            "role": "assistant",
+            "status": status,
+            "content": content,
+        }
+
+    def _response(self, body: ResponsesRequest, ids: dict, answer: dict | None) -> dict:
+        """The ``response`` object: in progress (``answer`` None), else as the answer ended."""
+        whole = {
+            "id": ids["id"], "object": "response", "created_at": ids["created"],
+            "model": body.model or self.model_name, "status": "in_progress", "output": [], "error": None,
+            "incomplete_details": None, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
+            "metadata": body.metadata, "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+            "store": False, "usage": None,
+        }  # fmt: skip
+        if answer is None:
+            return whole
+        cut = answer["finish_reason"] == "length"
+        made = new_token_count(answer)
+        whole |= {
+            "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "output": [self._message(ids, answer["text"], "incomplete" if cut else "completed")],
+            "usage": {
+                "input_tokens": answer["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "output_tokens": made,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": answer["prompt_tokens"] + made,
+            },
+            "blocklab": _blocklab(answer),
+        }
+        return whole
+
+    async def _events(self, body: ResponsesRequest, ids: dict, first: dict, submission: Submission):
+        """The stream: created, in progress, the message and its text part added, a delta per token
+        with text, the text, part and message done, then completed (or incomplete)."""
+        sequence = iter(range(1 << 62))
+        place = {"item_id": ids["item"], "output_index": 0, "content_index": 0}
+
+        def sse(kind: str, **payload) -> str:
+            event = {"type": kind, "sequence_number": next(sequence), **payload}
+            return f"event: {kind}\ndata: {json.dumps(event)}\n\n"
+
+        try:
+            started = self._response(body, ids, None)
+            yield sse("response.created", response=started)
+            yield sse("response.in_progress", response=started)
+            yield sse(
+                "response.output_item.added", output_index=0, item=self._message(ids, None, "in_progress")
+            )
+            yield sse(
+                "response.content_part.added",
+                **place,
+                part={"type": "output_text", "text": "", "annotations": []},
+            )
+            event, sent = first, ""
+            while event["event"] == "token":
+                if event["text"]:
+                    sent += event["text"]
+                    yield sse("response.output_text.delta", **place, delta=event["text"], logprobs=[])
+                event = await submission.next_event()
+            if event["event"] == "error":
+                code = 400 if event["status"] == 422 else event["status"]
+                yield sse("error", code=str(code), message=event["message"], param=None)
+                return
+            answer = event["response"]
+            if answer["text"][len(sent) :]:  # bytes of a character still open at the end
+                yield sse(
+                    "response.output_text.delta", **place, delta=answer["text"][len(sent) :], logprobs=[]
+                )
+            whole = self._response(body, ids, answer)
+            part = whole["output"][0]["content"][0]
+            yield sse("response.output_text.done", **place, text=part["text"], logprobs=[])
+            yield sse("response.content_part.done", **place, part=part)
+            yield sse("response.output_item.done", output_index=0, item=whole["output"][0])
+            yield sse(f"response.{whole['status']}", response=whole)
+        finally:
+            submission.close()
+
+
 def _echoed(prompt: str | list[int], response: dict) -> str:
     """The prompt, then the text: decoded together from the ids where the prompt is ids and no stop
     string cut the text (a character split between the prompt's last token and the first generated
@@ -460,6 +582,7 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
 def register(app: FastAPI, front: Front, *, model_name: str, responses: dict) -> None:
     completion = _Route(front, model_name, "text_completion")
     chat = _Route(front, model_name, "chat.completion")
+    responses_api = _Responses(front, model_name)
     started = int(time.time())
 
     def context() -> int | None:
@@ -488,6 +611,14 @@ def register(app: FastAPI, front: Front, *, model_name: str, responses: dict) ->
         needs = frozenset({"top_tokens"} if request.logprobs else ())  # the most likely token per position
         translation = _Translation(request, prompts, request.max_tokens, {}, needs, context=context())
         return await completion.respond(translation, client, bool(request.echo), request.logprobs)
+
+    async def responses_route(request: ResponsesRequest, client: Request) -> Response:
+        prompt = chat_prompt(request.messages())
+        names = {"max_new_tokens": "max_output_tokens", "prompt": "input"}
+        translation = _Translation(
+            request, [prompt], request.max_output_tokens, names, default_max_tokens=None, context=context()
+        )
+        return await responses_api.respond(request, translation, client)
 
     async def chat_completions(request: ChatCompletionRequest, client: Request) -> Response:
         given = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
@@ -524,6 +655,7 @@ def register(app: FastAPI, front: Front, *, model_name: str, responses: dict) ->
     routes: list[tuple[str, Callable, str, dict]] = [
         ("/v1/completions", completions, "POST", responses),
         ("/v1/chat/completions", chat_completions, "POST", responses),
+        ("/v1/responses", responses_route, "POST", responses),
         ("/v1/models", models, "GET", {401: responses[401]}),
         (
             "/v1/models/{model}",

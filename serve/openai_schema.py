@@ -150,6 +150,55 @@ class ChatCompletionRequest(OpenAIRequest):
     response_format: Annotated[Any, _only(None, {"type": "text"})] = None
 
 
-def chat_prompt(messages: list[ChatMessage]) -> str:
+class InputText(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["input_text", "output_text"]
+    text: str = Field(max_length=200_000)
+
+
+class InputMessage(BaseModel):
+    """A turn of a Responses ``input`` (an ``EasyInputMessage``: ``type`` "message" or left out)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[InputText], Field(max_length=1024)] = Field(max_length=200_000)
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ResponsesRequest(OpenAIRequest):
+    """OpenAI's Responses API (``POST /v1/responses``) for text: ``input`` a string or turns, the
+    ``instructions`` a system turn before them. Stateless: nothing is stored, so there is no
+    ``previous_response_id`` to continue from. Sampling as the other routes take it."""
+
+    input: str | Annotated[list[InputMessage], Field(min_length=1, max_length=1024)] = Field(
+        max_length=200_000
+    )
+    instructions: str | None = Field(None, max_length=200_000)
+    max_output_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS)
+    # the other routes' names for what this one has its own names for, or does not have
+    max_tokens: Annotated[int | None, _only(None)] = Field(None, description="max_output_tokens here.")
+    n: Annotated[int | None, _only(None, 1)] = None
+    stream_options: Annotated[StreamOptions | None, _only(None)] = None
+    previous_response_id: Annotated[str | None, _only(None)] = None
+    text: Annotated[Any, _only(None, {"format": {"type": "text"}})] = None
+    tools: Annotated[Any, _only(None, [])] = None
+    tool_choice: Annotated[Any, _only(None, "none", "auto")] = None
+    parallel_tool_calls: Annotated[Any, _only(None, False, True)] = None
+    reasoning: Annotated[Any, _only(None)] = None
+    include: Annotated[Any, _only(None, [])] = None
+    truncation: Annotated[str | None, _only(None, "disabled")] = None
+
+    def messages(self) -> list[InputMessage]:
+        """The turns the model continues: the instructions as a system turn, then the input's."""
+        turns = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        system = [InputMessage(role="system", content=self.instructions)] if self.instructions else []
+        return [*system, *turns]
+
+
+def chat_prompt(messages: list[ChatMessage] | list[InputMessage]) -> str:
     """The transcript a base model continues: one ``role: content`` line per turn, then ``assistant:``."""
     return "".join(f"{message.role}: {message.text}\n" for message in messages) + "assistant:"

@@ -479,3 +479,47 @@ def test_an_echoed_prompt_that_ends_mid_character_is_decoded_with_what_follows()
     response = {"text": tokens.decode(generated), "tokens": generated, "stop_reason": None}
     assert _echoed(prompt, response) == "€X"
     assert _echoed("a", response | {"text": "b", "stop_reason": "c"}) == "ab"
+
+
+def test_the_responses_api_answers_the_openai_client_whole_and_streamed(server, client):
+    """``client.responses.create``: the SDK's own models parse the answer; its text is what chat
+    generates for the same turns (the instructions a system turn before them), its usage counts the
+    prompt and the new tokens; streamed, the deltas join to that text, in OpenAI's event order."""
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    chat = {"messages": turns, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    expected = client.post("/v1/chat/completions", json=chat).json()
+    kept = {"input": "Hello", "instructions": "Be brief.", "max_output_tokens": 6, "temperature": 0}
+    plain = api.responses.create(model=MODEL, **kept, extra_body={"ignore_eos": True})
+    assert plain.output_text == expected["choices"][0]["message"]["content"]
+    assert (plain.status, plain.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert plain.usage.input_tokens == expected["usage"]["prompt_tokens"] and plain.usage.output_tokens == 6
+    skipping = api.responses.create(model=MODEL, **kept, extra_body={"ignore_eos": True, "blocks": "skip=1"})
+    assert skipping.blocklab["block_set"] == "skip=1"  # the extension object, and the block set, reach it
+    events = list(api.responses.create(model=MODEL, **kept, stream=True, extra_body={"ignore_eos": True}))
+    kinds = [event.type for event in events]
+    opening = ["created", "in_progress", "output_item.added", "content_part.added"]
+    closing = ["output_text.done", "content_part.done", "output_item.done", "incomplete"]
+    assert kinds[:4] == [f"response.{kind}" for kind in opening]
+    assert kinds[-4:] == [f"response.{kind}" for kind in closing]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text == plain.output_text
+
+
+def test_a_response_that_end_of_text_ended_is_completed(ending):
+    answer = ending.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 8}).json()
+    assert (answer["status"], answer["incomplete_details"]) == ("completed", None)
+    assert answer["usage"]["output_tokens"] == 1 and answer["output"][0]["content"][0]["text"] == ""
+
+
+def test_the_responses_api_refuses_what_it_does_not_serve_naming_it(client):
+    for field, value in [
+        ("previous_response_id", "resp_1"),
+        ("max_tokens", 3),
+        ("tools", [{"type": "web_search"}]),
+    ]:
+        refused = error(client.post("/v1/responses", json={"input": "Hi", field: value}))
+        assert refused["param"] == field
+    over = error(client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": CONTEXT}))
+    assert over["param"] == "max_output_tokens" and "maximum context length" in over["message"]
