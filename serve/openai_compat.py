@@ -23,6 +23,7 @@ mean the default (the bodies' models: ``serve.openai_schema``). Chat turns are r
 (``role: content`` lines, then ``assistant:``): the served models are not chat-tuned.
 """
 
+import itertools
 import json
 import re
 import time
@@ -511,7 +512,7 @@ class _Responses:
     async def _events(self, body: ResponsesRequest, ids: dict, first: dict, submission: Submission):
         """The stream: created, in progress, the message and its text part added, a delta per token
         with text, the text, part and message done, then completed (or incomplete)."""
-        sequence = iter(range(1 << 62))
+        sequence = itertools.count()
         place = {"item_id": ids["item"], "output_index": 0, "content_index": 0}
 
         def sse(kind: str, **payload) -> str:
