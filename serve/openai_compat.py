@@ -488,11 +488,12 @@ class _Responses:
             "incomplete_details": None, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
             "metadata": body.metadata, "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
-            "store": False, "usage": None,
+            "store": False, "text": {"format": {"type": "text"}}, "truncation": "disabled", "user": body.user,
+            "usage": None,
         }  # fmt: skip
         if answer is None:
             return whole
-        cut = answer["finish_reason"] == "length"
+        cut = answer["finish_reason"] != "stop"  # length, or scored: max_output_tokens 0
         made = new_token_count(answer)
         whole |= {
             "status": "incomplete" if cut else "completed",

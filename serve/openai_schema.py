@@ -151,22 +151,36 @@ class ChatCompletionRequest(OpenAIRequest):
 
 
 class InputText(BaseModel):
+    """A text part of a turn; an earlier response's ``output_text`` part passed back keeps its
+    ``annotations`` and ``logprobs``, taken and not read."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["input_text", "output_text"]
     text: str = Field(max_length=200_000)
+    annotations: list[Any] | None = Field(None, max_length=1024)
+    logprobs: list[Any] | None = Field(None, max_length=MAX_NEW_TOKENS)
 
 
 class InputMessage(BaseModel):
-    """A turn of a Responses ``input`` (an ``EasyInputMessage``: ``type`` "message" or left out)."""
+    """A turn of a Responses ``input`` (an ``EasyInputMessage``: ``type`` "message" or left out), or an
+    earlier response's output message passed back (its ``id`` and ``status`` taken, not read)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["message"] | None = None
     role: Literal["system", "developer", "user", "assistant"]
+    id: str | None = Field(None, max_length=256)
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    phase: str | None = Field(None, max_length=64)
     content: str | Annotated[list[InputText], Field(max_length=1024)] = Field(max_length=200_000)
 
     @property
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ResponsesStreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_obfuscation: bool | None = Field(None, description="OpenAI's padding of events; none is sent.")
 
 
 class ResponsesRequest(OpenAIRequest):
@@ -182,7 +196,14 @@ class ResponsesRequest(OpenAIRequest):
     # the other routes' names for what this one has its own names for, or does not have
     max_tokens: Annotated[int | None, _only(None)] = Field(None, description="max_output_tokens here.")
     n: Annotated[int | None, _only(None, 1)] = None
-    stream_options: Annotated[StreamOptions | None, _only(None)] = None
+    stream_options: ResponsesStreamOptions | None = None
+    # OpenAI's, at their "off" values, or changing nothing generated: taken
+    background: Annotated[bool | None, _only(None, False)] = None
+    top_logprobs: Annotated[int | None, _only(None, 0)] = None
+    max_tool_calls: int | None = Field(None, ge=0, description="Taken: no tools are served.")
+    service_tier: str | None = Field(None, max_length=64)
+    safety_identifier: str | None = Field(None, max_length=256)
+    prompt_cache_key: str | None = Field(None, max_length=256)
     previous_response_id: Annotated[str | None, _only(None)] = None
     text: Annotated[Any, _only(None, {"format": {"type": "text"}})] = None
     tools: Annotated[Any, _only(None, [])] = None

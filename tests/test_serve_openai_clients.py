@@ -507,6 +507,25 @@ def test_the_responses_api_answers_the_openai_client_whole_and_streamed(server, 
     assert deltas == events[-1].response.output_text == plain.output_text
 
 
+def test_a_conversation_passes_a_responses_output_back_and_what_the_sdk_adds_is_taken(server):
+    """The SDK's way to continue without stored state: the earlier response's output items (with their
+    ``id``, ``status``, ``annotations``) among the next input's turns; and OpenAI's fields at their
+    "off" values. max_output_tokens 0 is incomplete, as a cut answer is."""
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    first = api.responses.create(model=MODEL, input="Hello", max_output_tokens=4, temperature=0)
+    turns = [{"role": "user", "content": "Hello"}, *first.output, {"role": "user", "content": "More"}]
+    off = {"background": False, "top_logprobs": 0, "service_tier": "auto", "prompt_cache_key": "k"}
+    later = api.responses.create(model=MODEL, input=turns, max_output_tokens=4, temperature=0, extra_body=off)
+    assert later.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert (later.text.format.type, later.truncation) == ("text", "disabled")
+    none = api.responses.create(model=MODEL, input="Hello", max_output_tokens=0)
+    assert (none.status, none.incomplete_details.reason, none.output_text) == (
+        "incomplete",
+        "max_output_tokens",
+        "",
+    )
+
+
 def test_a_response_that_end_of_text_ended_is_completed(ending):
     answer = ending.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 8}).json()
     assert (answer["status"], answer["incomplete_details"]) == ("completed", None)

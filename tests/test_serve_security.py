@@ -206,7 +206,8 @@ REQUEST_FIELDS = {
     # /v1/responses: a text, its turns, and what it refuses (previous_response_id names a response,
     # not a file: none is kept)
     "input", "instructions", "max_output_tokens", "previous_response_id", "reasoning", "include",
-    "truncation",
+    "truncation", "background", "max_tool_calls", "service_tier", "safety_identifier", "prompt_cache_key",
+    "status", "phase", "annotations",  # an earlier response's output passed back, with its id: not read
 }  # fmt: skip
 """Every field a request body can carry. None selects a file: ``model`` is only echoed (one model
 is served, chosen at start), ``blocks`` is a block-set spec. A new field fails this test until it is
