@@ -62,6 +62,7 @@ from serve.schema import (
     Speculation,
     Timings,
     TokenEvent,
+    ended_at_eos,
     error_event,
 )
 
@@ -522,10 +523,6 @@ class Engine:
             if event is not None:
                 events.append((row.key, event))
         if row.generation.finished:
-            generation = row.generation
-            if generation.finish_reason == "stop" and generation.stop_reason is None:
-                # end-of-text: drawn by a step as any token (vLLM counts it; tokens leave it out)
-                self.tally("tokens_generated", 1)
             events += self._end(row)
         return events
 
@@ -533,6 +530,8 @@ class Engine:
         """The row's done event; the row leaves the engine, its prefill for later rows to copy. Should
         its event fail to build, the row stays, for the caller to fail it (it is never lost)."""
         done = [(row.key, row.report.done(row.generation, row.fixed_blocks))]
+        if ended_at_eos(done[0][1]["response"]):  # drawn by a step as any token (vLLM counts it)
+            self.tally("tokens_generated", 1)
         self.rows.remove(row)
         if row.prefilled and row.setting is not None:
             try:

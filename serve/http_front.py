@@ -91,10 +91,16 @@ def openai_param(loc: list) -> str | None:
     return param or None
 
 
+def openai_status(status: int) -> int:
+    """``status`` as the OpenAI routes answer it: an invalid request is 400 (OpenAI's and vLLM's, the
+    ``openai`` client's ``BadRequestError``), not FastAPI's 422."""
+    return 400 if status == 422 else status
+
+
 def error_response(path: str, status: int, detail, headers: dict[str, str] | None = None) -> JSONResponse:
     """FastAPI's ``{"detail": ...}``, or under ``/v1/`` OpenAI's ``{"error": {"message": ...}}``, the
-    shape its clients read the message from, with ``param`` naming the field at fault, and an invalid
-    request's status OpenAI's and vLLM's 400 (the ``openai`` client's ``BadRequestError``), not 422."""
+    shape its clients read the message from, with ``param`` naming the field at fault, and its status
+    as those routes answer it (``openai_status``)."""
     if not (path.startswith("/v1/") or path == "/v1"):
         return JSONResponse({"detail": detail}, status_code=status, headers=headers)
     param = None
@@ -109,7 +115,7 @@ def error_response(path: str, status: int, detail, headers: dict[str, str] | Non
             for field, error in zip(fields, detail, strict=True)
         )
         detail = "; ".join(messages)
-    status = 400 if status == 422 else status
+    status = openai_status(status)
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": detail, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)

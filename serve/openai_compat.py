@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from lab import tokens
-from serve.http_front import Front, Submission
+from serve.http_front import Front, Submission, openai_status
 from serve.openai_schema import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -170,10 +170,11 @@ class _Translation:
         context error)."""
         if self.max_tokens is not None:
             return self.max_tokens
+        default = self.default_max_tokens
         room = None if self.context is None else self.context - len(_prompt_ids(prompt))
         if room is None or room < 1:
-            return DEFAULT_MAX_TOKENS if self.default_max_tokens is None else self.default_max_tokens
-        return min(room, MAX_NEW_TOKENS, self.default_max_tokens or room)
+            return default or DEFAULT_MAX_TOKENS
+        return min(room, MAX_NEW_TOKENS, default or room)
 
     def request(self, prompt: str | list[int], **overrides) -> PredictRequest:
         body = self.body
@@ -412,7 +413,7 @@ class _Route:
                         "message": event["message"],
                         "type": "server_error",
                         "param": None,
-                        "code": 400 if event["status"] == 422 else event["status"],  # as whole answers
+                        "code": openai_status(event["status"]),  # as whole answers
                     }
                     yield chunk({"error": error})
                     return
@@ -493,7 +494,7 @@ class _Responses:
         }  # fmt: skip
         if answer is None:
             return whole
-        cut = answer["finish_reason"] != "stop"  # length, or scored: max_output_tokens 0
+        cut = _finish_reason(answer["finish_reason"]) == "length"  # or scored: max_output_tokens 0
         made = new_token_count(answer)
         whole |= {
             "status": "incomplete" if cut else "completed",
@@ -539,8 +540,8 @@ class _Responses:
                     yield sse("response.output_text.delta", **place, delta=event["text"], logprobs=[])
                 event = await submission.next_event()
             if event["event"] == "error":
-                code = 400 if event["status"] == 422 else event["status"]
-                yield sse("error", code=str(code), message=event["message"], param=None)
+                code = str(openai_status(event["status"]))
+                yield sse("error", code=code, message=event["message"], param=None)
                 return
             answer = event["response"]
             if answer["text"][len(sent) :]:  # bytes of a character still open at the end

@@ -33,7 +33,7 @@ import numpy as np
 from lab.blocks import BlockSet
 from lab.measure import latency_ms
 from serve.client import BadStream, StreamError, StreamReader, closed_loop
-from serve.schema import new_token_count
+from serve.schema import ended_at_eos, new_token_count
 from serve.traffic import default_block_sets, fit_prompt, read_prompts
 
 KINDS = (
@@ -213,8 +213,7 @@ async def _read_sse(shot: Shot, lines) -> tuple[str, int, str]:
             if last is None or "blocklab" not in last:
                 raise BadAnswer("[DONE] without a final chunk")
             _check_blocklab(shot, last)
-            choice = last["choices"][0]  # end-of-text that ended it ran no token event, but counts
-            eos = choice["finish_reason"] == "stop" and choice["stop_reason"] is None
+            eos = ended_at_eos(last["choices"][0])  # end-of-text that ended it had no chunk, but counts
             return text, len(last["blocklab"]["blocks_per_token"]) + eos, str(last["blocklab"]["seed"])
         chunk = json.loads(data)
         if "error" in chunk:
