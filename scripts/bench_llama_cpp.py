@@ -186,10 +186,12 @@ def main(
 
 
 def over_theirs(own: dict, theirs: dict) -> dict:
-    """Each of our serving figures over llama-server's: the medians, and the time to each token."""
+    """Each of our serving figures over llama-server's: the medians, and the time to each token both
+    servers' replies all reached (one that stopped a reply short has no time to its later tokens)."""
     ratios = {key: own[key] / theirs[key] for key in own if isinstance(own[key], float)}
     for k, ms in own["time_to_token_p50_ms"].items():
-        ratios[f"time_to_token_{k}"] = ms / theirs["time_to_token_p50_ms"][k]
+        if k in theirs["time_to_token_p50_ms"]:
+            ratios[f"time_to_token_{k}"] = ms / theirs["time_to_token_p50_ms"][k]
     return ratios
 
 

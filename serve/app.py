@@ -90,7 +90,12 @@ class ServeConfig:
     """Prompt tokens per prefill pass; while rows decode, each waiting prompt advances one pass per step."""
     prefill_per_step: int = 256
     """Prompt tokens prefilled per step while rows decode (one --prefill-chunk per prompt): prompts
-    that arrive together start together; running rows wait for these passes."""
+    that arrive together start together; running rows wait for these passes (those in line: not in
+    --prefill-lane's)."""
+    prefill_lane: bool = True
+    """Prefill prompts that arrive while rows decode on a thread of their own, beside the decode steps
+    (which take one thread fewer meanwhile), instead of in line before them: running rows are never
+    held back for a prompt's pass (serve.engine.PrefillLane). Needs 2 threads or more; CPU only."""
     prompt_cache_mb: float = 64.0
     """MiB of finished requests' prefills each worker keeps, the least recently used dropped first: a
     later prompt copies the whole prefill chunks it begins with (identical prompts running together
@@ -218,6 +223,7 @@ def build(config: ServeConfig, model_factory: ModelFactory | None = None) -> Ser
         queue_timeout=config.queue_timeout,
         prefill_chunk=config.prefill_chunk,
         prefill_per_step=config.prefill_per_step,
+        prefill_lane=config.prefill_lane,
         prompt_cache_bytes=int(config.prompt_cache_mb * 2**20),
         batch_invariant=config.batch_invariant,
         warm_up=config.warm_up if config.compile else (),

@@ -15,6 +15,9 @@ iteration-level scheduling, as vLLM, TGI and SGLang do it). Each tick:
    whatever else is running. What another prefill under the same blocks already computed is
    copied, not computed again (``serve.prompt_cache``): a whole identical prompt (waiting for a
    row ahead that prefills it), or the whole chunks a prompt begins with, of rows running or ended;
+   with a ``PrefillLane`` (``prefill_lane``, on a CPU with threads to spare), a prompt that arrives
+   while rows decode is prefilled on the lane's thread instead, beside the decode steps, and sends
+   its first token at the first tick after;
 3. decode: every prefilled row takes one step together, whatever its block set
    (``lab.decode.decode_rows``): block i runs on the rows whose set includes it, exit rows stop at
    their block, adaptive rows decide per token; a speculating row runs a round of its own.
@@ -38,9 +41,11 @@ happened through a ``Tally``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +83,7 @@ COUNTERS = (
     "requests_failed",
     "requests_cancelled",
     "requests_timed_out",
+    "prefills_in_lane",
 )
 """What the engine counts; the server sums each over its workers at ``GET /stats``."""
 
@@ -216,6 +222,7 @@ class _Row:
         self.fed = 0  # prompt tokens prefilled so far
         self.scores: list[torch.Tensor] = []  # per prefill chunk, _scores' [n, 3]
         self.prefilled = False
+        self.in_lane = False  # its prefill runs on the prefill lane's thread now: that thread's alone
         self.last_stream: torch.Tensor | None = None  # [D]: the prompt's last position leaving the blocks
         self.setting = self._setting(model)
 
@@ -260,6 +267,46 @@ class _Row:
         return self.generation.speculator is not None
 
 
+LANE_POLL_S = 0.01
+"""How long a tick with nothing but the lane's prefill to wait for waits for it at most, so that the
+worker still takes new requests meanwhile."""
+
+
+class PrefillLane:
+    """A thread of its own for the prefills of prompts that arrive while other rows decode, with one
+    of torch's threads (the decode steps take one fewer meanwhile): DistServe's and Splitwise's
+    disaggregation of prefill from decode, on the cores of one CPU. A prompt's prefill is bound by
+    its multiply-adds, so in line it holds every running row back for its whole pass; beside them,
+    the running rows lose a thread's share of each step instead. Rows are prefilled one after another
+    in the order they came, each exactly as in line (the same chunks, which no thread count changes).
+    """
+
+    def __init__(self):
+        self.executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="prefill-lane", initializer=torch.set_num_threads, initargs=(1,)
+        )
+        self.pending: list[tuple[_Row, Future]] = []  # submitted, in order
+
+    @property
+    def busy(self) -> bool:
+        return any(not future.done() for _, future in self.pending)
+
+    def submit(self, row: _Row, prefill: Callable[[_Row], object]) -> None:
+        row.in_lane = True
+        self.pending.append((row, self.executor.submit(prefill, row)))
+
+    def finished(self) -> list[tuple[_Row, Future]]:
+        """The submitted rows whose prefill has ended since the last call, in order."""
+        ended = [future.done() for _, future in self.pending]  # once: a prefill may end meanwhile
+        done = [pair for pair, is_done in zip(self.pending, ended, strict=True) if is_done]
+        self.pending = [pair for pair, is_done in zip(self.pending, ended, strict=True) if not is_done]
+        return done
+
+    def wait(self, timeout: float) -> None:
+        """Until one of the prefills ends, ``timeout`` seconds at most."""
+        wait([future for _, future in self.pending], timeout=timeout, return_when=FIRST_COMPLETED)
+
+
 class Engine:
     """The requests of one worker, advanced a tick at a time; see the module docstring."""
 
@@ -273,8 +320,11 @@ class Engine:
         prefill_per_step: int = 256,
         batch_invariant: bool = True,
         prompt_cache_bytes: int = 64 << 20,
+        prefill_lane: bool = True,
     ):
         self.model = model
+        # on a GPU a prefill is bound by reading the weights, and both passes would share one stream
+        self.lane = PrefillLane() if prefill_lane and model.wte.weight.device.type == "cpu" else None
         self.prompt_cache = PromptCache(prompt_cache_bytes, prefill_chunk)  # the prefills of rows that ended
         self.ended_now: list[Prefill] = []  # this tick's ended rows' prefills, whatever the cache keeps
         self.tally = tally
@@ -316,9 +366,13 @@ class Engine:
         with torch.inference_mode():
             self.ended_now = []
             yield self._counted(self._retire())
+            if self.lane is not None:
+                yield self._counted(self._collect_lane())
             decoding = [row for row in self.rows if row.prefilled]
+            waiting = [row for row in self.rows if not row.prefilled and not row.in_lane]
+            lane_open = bool(waiting) and self._lane_open(decoding)
             budget = self.prefill_per_step if decoding else self.model.config.block_size
-            for row in [row for row in self.rows if not row.prefilled]:
+            for row in waiting:
                 if row.fed == 0 and row.setting is not None and row in self.rows:
                     source = self._source(row)
                     whole = source is not None and source[1] == len(row.feed)
@@ -328,17 +382,25 @@ class Engine:
                         yield self._counted(
                             self._guarded(row, lambda row, source=source: self._copy(row, *source))
                         )
-                while budget > 0 and not row.prefilled and row in self.rows:
-                    budget -= min(self.prefill_chunk, len(row.feed) - row.fed)
-                    yield self._counted(self._guarded(row, self._prefill_chunk))
-                    if decoding:  # one chunk per prompt per tick: the running rows wait for no more
-                        break
+                if lane_open and self._lane_takes(row):
+                    self.lane.submit(row, self._prefill_in_lane)
+                    self.tally("prefills_in_lane", 1)
+                    continue
+                with self._threads_beside_lane():
+                    while budget > 0 and not row.prefilled and row in self.rows:
+                        budget -= min(self.prefill_chunk, len(row.feed) - row.fed)
+                        yield self._counted(self._guarded(row, self._prefill_chunk))
+                        if decoding:  # one chunk per prompt per tick: the running rows wait for no more
+                            break
             shared = [row for row in decoding if not row.speculating]
-            if shared:
-                yield self._counted(self._decode(shared))
-            for row in decoding:
-                if row.speculating and row in self.rows:
-                    yield self._counted(self._guarded(row, self._speculate))
+            with self._threads_beside_lane():
+                if shared:
+                    yield self._counted(self._decode(shared))
+                for row in decoding:
+                    if row.speculating and row in self.rows:
+                        yield self._counted(self._guarded(row, self._speculate))
+            if not decoding and self.lane is not None and self.lane.busy:
+                self.lane.wait(LANE_POLL_S)  # nothing else to run: wake when its prefill ends
 
     def _counted(self, events: Events) -> Events:
         for _, event in events:
@@ -462,30 +524,104 @@ class Engine:
                 report.blocks_per_token = scored.blocks_per_token
                 report.prefill_s = time.monotonic() - start
                 return self._end(row)
-        chunk_end = min(row.fed + self.prefill_chunk, len(row.feed))
-        stream = row.generation.extend(row.feed[row.fed : chunk_end])  # [t, D]
-        targets = row.loss_targets[row.fed : chunk_end]
-        decoder = row.generation.decoder
-        if targets:
-            row.scores.append(_scores(decoder.read_out, stream, targets))
-        row.fed = chunk_end
+        stream = self._extend(row)
         report.prefill_s += time.monotonic() - start
         if row.fed < len(row.feed):
             return []
-        if row.scores:
-            report.scored(torch.cat(row.scores))
-        return self._prefilled(row, stream[-1].clone())
+        return self._prefill_done(row, stream[-1].clone())
 
-    def _prefilled(self, row: _Row, last_stream: torch.Tensor) -> Events:
-        """The end of ``row``'s prefill, ``last_stream`` [D] leaving its last position: its first token,
-        or its end when it only scores."""
+    def _extend(self, row: _Row) -> torch.Tensor:
+        """The row's next chunk of prompt through its blocks, its losses kept: the stream leaving
+        them [t, D]."""
+        chunk_end = min(row.fed + self.prefill_chunk, len(row.feed))
+        stream = row.generation.extend(row.feed[row.fed : chunk_end])  # [t, D]
+        targets = row.loss_targets[row.fed : chunk_end]
+        if targets:
+            row.scores.append(_scores(row.generation.decoder.read_out, stream, targets))
+        row.fed = chunk_end
+        return stream
+
+    def _prefill_done(self, row: _Row, last_stream: torch.Tensor, logits: torch.Tensor | None = None):
+        """The end of ``row``'s prefill: its prompt's score, then ``_prefilled``'s events."""
+        if row.scores:
+            row.report.scored(torch.cat(row.scores))
+        return self._prefilled(row, last_stream, logits)
+
+    def _prefilled(self, row: _Row, last_stream: torch.Tensor, logits: torch.Tensor | None = None):
+        """The end of ``row``'s prefill, ``last_stream`` [D] leaving its last position: its first token
+        (from ``logits`` [V], read out here where not given), or its end when it only scores."""
         row.prefilled, row.last_stream = True, last_stream
         job, decoder = row.job, row.generation.decoder
         if job.max_new_tokens == 0:
             row.report.blocks_per_token = [len(row.fixed_blocks)] * len(job.prompt_tokens[1:])
             return self._end(row)
-        logits = decoder.read_out(last_stream[None, None])[0, -1]  # [V]
+        if logits is None:
+            logits = decoder.read_out(last_stream[None, None])[0, -1]  # [V]
         return self._took(row, [row.generation.pick(logits, decoder.blocks)])
+
+    # -- the prefill lane ---------------------------------------------------------------------------
+
+    def _lane_open(self, decoding: list[_Row]) -> bool:
+        """Whether this tick's prefills go to the lane: there is one, rows are decoding (a prefill in
+        line would hold them back), and torch has a thread to spare for it (the lane takes one) in
+        a model without hooks (they would see two passes at once) or a compiled step of lab.fast's."""
+        return (
+            self.lane is not None and bool(decoding) and torch.get_num_threads() > 1
+            and getattr(self.model, "fast", None) is None and not hooked(self.model.modules())
+        )  # fmt: skip
+
+    @staticmethod
+    def _lane_takes(row: _Row) -> bool:
+        """Whether ``row``'s prefill can run in the lane: prompt left to pass through its blocks, and
+        not adaptive exit's scoring pass (``lab.generate.score``, its own, stays in line)."""
+        return row.fed < len(row.feed) and not (row.job.block_set.is_adaptive and row.scoring)
+
+    def _prefill_in_lane(self, row: _Row) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """On the lane's thread: the rest of ``row``'s prompt, chunk by chunk as in line; the stream
+        leaving its last position [D] and the logits it reads out there [V] (None when it only
+        scores). None when the row left the engine meanwhile (cancelled, past its deadline)."""
+        start = time.monotonic()
+        with torch.inference_mode():
+            while row.fed < len(row.feed):
+                if row not in self.rows:
+                    return None
+                stream = self._extend(row)
+            last_stream = stream[-1].clone()
+            generating = row.job.max_new_tokens > 0
+            logits = row.generation.decoder.read_out(last_stream[None, None])[0, -1] if generating else None
+        row.report.prefill_s += time.monotonic() - start
+        return last_stream, logits
+
+    def _collect_lane(self) -> Events:
+        """The events of the rows whose prefill the lane finished: their first tokens (or their ends
+        when they only score; a 500 for a prefill that raised). Rows gone meanwhile send nothing."""
+        events = []
+        for row, future in self.lane.finished():
+            row.in_lane = False
+            if row not in self.rows:
+                continue
+            error = future.exception()
+            if error is not None:
+                self.rows.remove(row)
+                events.append(_failed(row.key, error))
+                continue
+            last_stream, logits = future.result()
+            done = functools.partial(self._prefill_done, last_stream=last_stream, logits=logits)
+            events += self._guarded(row, done)
+        return events
+
+    @contextlib.contextmanager
+    def _threads_beside_lane(self) -> Iterator[None]:
+        """While the lane runs a prefill: torch's threads here one fewer (the lane has the other)."""
+        if self.lane is None or not self.lane.busy or torch.get_num_threads() < 2:
+            yield
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(threads - 1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def _decode(self, rows: list[_Row]) -> Events:
         """One step for ``rows`` together; should it raise, each row alone (only bad rows fail)."""

@@ -233,7 +233,8 @@ class _PromptCacheCounts:
     """The workers' prompt-cache counters (``serve.engine.COUNTERS``), read from the pool's stats at
     each scrape: ``blocklab:prefills_copied_total`` (whole prompts),
     ``blocklab:prompt_tokens_copied_total`` (their positions, and those of runs of whole chunks) and
-    the gauge ``blocklab:prompt_cache_bytes`` (what the caches hold now; ``serve.prompt_cache``)."""
+    the gauge ``blocklab:prompt_cache_bytes`` (what the caches hold now; ``serve.prompt_cache``);
+    ``blocklab:prefills_in_lane_total``, the prompts prefilled on the prefill lane (``--prefill-lane``)."""
 
     FAMILIES = (
         (CounterMetricFamily, "blocklab:prefills_copied", "Prompts whose whole prefill was copied.",
@@ -242,6 +243,8 @@ class _PromptCacheCounts:
          "prompt_tokens_copied"),
         (GaugeMetricFamily, "blocklab:prompt_cache_bytes", "Bytes the prompt caches hold.",
          "prompt_cache_bytes"),
+        (CounterMetricFamily, "blocklab:prefills_in_lane", "Prompts prefilled beside the decode steps.",
+         "prefills_in_lane"),
     )  # fmt: skip
 
     def __init__(self, counts: Callable[[], dict], model_name: str):

@@ -92,6 +92,7 @@ class Worker:
         max_threads: int | None = None,
         prefill_chunk: int = 64,
         prefill_per_step: int = 256,
+        prefill_lane: bool = True,
         prompt_cache_bytes: int = 64 << 20,
         batch_invariant: bool = True,
         warm_up: tuple[int, ...] = (),
@@ -107,6 +108,7 @@ class Worker:
         self.tuner: ThreadTuner | None = None  # threads=None: chosen from the free cores as the load changes
         self.prefill_chunk = prefill_chunk
         self.prefill_per_step = prefill_per_step
+        self.prefill_lane = prefill_lane
         self.prompt_cache_bytes = prompt_cache_bytes
         self.batch_invariant = batch_invariant
         self.warm_up = warm_up  # request lengths whose fast step is built before the worker is ready
@@ -137,6 +139,7 @@ class Worker:
             max_rows=self.max_batch_size,
             prefill_chunk=self.prefill_chunk,
             prefill_per_step=self.prefill_per_step,
+            prefill_lane=self.prefill_lane,
             prompt_cache_bytes=self.prompt_cache_bytes,
             batch_invariant=self.batch_invariant,
         )

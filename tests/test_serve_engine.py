@@ -736,3 +736,139 @@ def test_compiled_decoders_caches_are_neither_copied_nor_kept(model):
     engine.add(0, job())
     assert isinstance(engine.rows[0].generation.decoder.cache.k, list)
     assert engine.rows[0].setting is None
+
+
+@pytest.fixture
+def two_threads():
+    """torch at 2 threads: the prefill lane takes one of them (it stays shut at 1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_prompt_arriving_while_rows_decode_is_prefilled_beside_them(model, two_threads, monkeypatch):
+    """With the prefill lane, the running row takes a token every tick while the arriving prompt's
+    prefill is held in the lane; the steps meanwhile run on one thread fewer; once the prefill ends,
+    its first token and the rest are those it gets alone."""
+    from serve import engine as engine_module
+
+    threads_per_step = []
+    decode_rows = engine_module.decode_rows
+
+    def counting_threads(*args):
+        threads_per_step.append(torch.get_num_threads())
+        return decode_rows(*args)
+
+    monkeypatch.setattr(engine_module, "decode_rows", counting_threads)
+    engine, counts = counted_engine(model, prefill_lane=True)
+    release = __import__("threading").Event()
+    prefill = engine._prefill_in_lane
+
+    def held(row):
+        assert release.wait(10)
+        return prefill(row)
+
+    engine._prefill_in_lane = held
+    engine.add("running", job(max_new_tokens=30, stream=True))
+    engine.tick()
+    arriving = job("skip=1", prompt=PROMPT[:5], max_new_tokens=4, temperature=1.0, seed=3)
+    engine.add("arriving", arriving)
+    for _ in range(4):
+        assert [key for key, _ in engine.tick()] == ["running"]  # a token, and nothing waits on the lane
+    assert threads_per_step[-4:] == [1, 1, 1, 1]
+    release.set()
+    last = {}
+    while "arriving" not in last:
+        last.update(engine.tick())
+    assert last["arriving"]["response"]["tokens"] == alone(model, arriving)
+    assert counts["prefills_in_lane"] == 1 and threads_per_step[-1] == 2  # the lane is idle again
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+def test_the_lane_prefills_what_the_line_prefills(dtype, two_threads):
+    """Rows arriving while others decode, in the lane and in line: the same seeded tokens and prompt
+    losses to the bit, whatever the block set and however many chunks."""
+    from lab.quantize import quantize
+
+    torch.manual_seed(0)
+    model = TinyModel(n_layer=N_LAYER)("cpu")
+    if dtype == "int4":
+        model = quantize(model.to(torch.bfloat16), "int4")
+    long_prompt = tokens.encode(" the lazy dog while the quick brown fox" * 4)
+    settings = [("all", long_prompt), ("skip=1", PROMPT), ("exit=2", PROMPT[:3]),
+                ("overwrite=3", long_prompt[:20]), ("adaptive=0.8", PROMPT)]  # fmt: skip
+    arriving = [
+        job(spec, prompt=prompt, temperature=1.0, seed=seed, max_new_tokens=5, score=True)
+        for seed, (spec, prompt) in enumerate(settings)
+    ]
+    answers = {}
+    for lane in (False, True):
+        engine, counts = counted_engine(model, prefill_chunk=16, prefill_lane=lane)
+        engine.add("running", job(max_new_tokens=40))
+        engine.tick()
+        last = {}
+        for position, one in enumerate(arriving):
+            engine.add(position, one)
+            last.update(engine.tick())
+        while engine.busy:
+            last.update(engine.tick())
+        answers[lane] = [last[position]["response"] for position in range(len(arriving))]
+        # the adaptive row's scoring pass is its own (lab.generate.score): in line
+        assert counts.get("prefills_in_lane", 0) == (len(arriving) - 1 if lane else 0)
+    for in_line, in_lane in zip(answers[False], answers[True], strict=True):
+        assert in_lane["tokens"] == in_line["tokens"] and in_lane["score"] == in_line["score"]
+
+
+def test_a_prompt_cancelled_or_failing_in_the_lane_ends_alone(model, two_threads):
+    """Cancelled while the lane prefills it: no event, counted cancelled, the lane stops; a prefill
+    that raises in the lane: a 500 for that request; the running row finishes as alone."""
+    gone, release = {"now": False}, __import__("threading").Event()
+    engine, counts = counted_engine(model, prefill_chunk=16, prefill_lane=True)
+    prefill = engine._prefill_in_lane
+
+    def held(row):
+        assert release.wait(10)
+        return prefill(row)
+
+    engine._prefill_in_lane = held
+    engine.add("running", job(max_new_tokens=12))
+    engine.tick()
+    engine.add("cancelled", job(prompt=[7] * 100, max_new_tokens=3), cancelled=lambda: gone["now"])
+    engine.add("failing", job(prompt=tokens.encode("Please explode now")))
+    last, seen = {}, []
+    for _ in range(2):  # both in the lane, held there; then the first one's client leaves
+        seen += [key for key, _ in engine.tick()]
+    gone["now"] = True
+    engine.tick()
+    release.set()
+    while engine.busy:
+        events = engine.tick()
+        seen += [key for key, _ in events]
+        last.update(events)
+    assert "cancelled" not in seen and counts["requests_cancelled"] == 1
+    assert last["failing"]["status"] == 500 and "injected failure" in last["failing"]["message"]
+    assert last["running"]["response"]["tokens"] == alone(model, job(max_new_tokens=12))
+    assert counts["prefills_in_lane"] == 2 and not engine.lane.pending
+
+
+def test_the_lane_stays_shut_at_one_thread_and_under_hooks(model, two_threads):
+    """One thread: none to spare, prompts prefill in line; a hooked model: its hooks would see two
+    passes at once, so in line too."""
+    for threads, hook in ((1, False), (2, True)):
+        torch.set_num_threads(threads)
+        handle = model.blocks[0].register_forward_hook(lambda *args: None) if hook else None
+        try:
+            engine, counts = counted_engine(model, prefill_lane=True)
+            engine.add("running", job(max_new_tokens=8))
+            engine.tick()
+            engine.add("skipping", job("skip=1"))
+            engine.add("short", job(prompt=PROMPT[:3]))
+            last = {}
+            while engine.busy:
+                last.update(engine.tick())
+        finally:
+            if handle is not None:
+                handle.remove()
+        assert all(event["event"] == "done" for event in last.values())
+        assert counts.get("prefills_in_lane", 0) == 0
