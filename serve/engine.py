@@ -272,6 +272,14 @@ LANE_POLL_S = 0.01
 worker still takes new requests meanwhile."""
 
 
+def _one_thread() -> None:
+    """The lane thread's torch threads: 1. torch sets a thread's count anew from the process's last
+    ``set_num_threads`` (any thread's) at the thread's first parallel op, so that comes first here;
+    else the decode step beside the lane, restoring its own count, would give the lane that count."""
+    torch.get_num_threads()  # the thread's first call: its count taken from the process's now
+    torch.set_num_threads(1)
+
+
 class PrefillLane:
     """A thread of its own for the prefills of prompts that arrive while other rows decode, with one
     of torch's threads (the decode steps take one fewer meanwhile): DistServe's and Splitwise's
@@ -283,7 +291,7 @@ class PrefillLane:
 
     def __init__(self):
         self.executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="prefill-lane", initializer=torch.set_num_threads, initargs=(1,)
+            max_workers=1, thread_name_prefix="prefill-lane", initializer=_one_thread
         )
         self.pending: list[tuple[_Row, Future]] = []  # submitted, in order
 

@@ -872,3 +872,29 @@ def test_the_lane_stays_shut_at_one_thread_and_under_hooks(model, two_threads):
                 handle.remove()
         assert all(event["event"] == "done" for event in last.values())
         assert counts.get("prefills_in_lane", 0) == 0
+
+
+def test_the_lane_keeps_its_one_thread_whatever_the_steps_beside_it_set(two_threads):
+    """torch gives a thread its count from the process's last ``set_num_threads`` on its first
+    parallel op, not at its own ``set_num_threads``: the lane's thread must take that first before it
+    sets 1, or a step beside it (``_threads_beside_lane`` restoring 2) hands it 2 for good."""
+    import threading
+    from types import SimpleNamespace
+
+    from serve.engine import PrefillLane
+
+    lane, go = PrefillLane(), threading.Event()
+    lane.submit(SimpleNamespace(in_lane=False), lambda row: None)
+    lane.pending[-1][1].result(10)  # the lane's thread started: its initializer ran
+
+    def prefill(row):
+        assert go.wait(10)
+        return torch.get_num_threads()
+
+    lane.submit(SimpleNamespace(in_lane=False), prefill)
+    torch.set_num_threads(1)  # a decode step beside the lane, one thread fewer, then 2 again
+    torch.set_num_threads(2)
+    go.set()
+    assert lane.pending[-1][1].result(10) == 1
+    assert torch.get_num_threads() == 2
+    lane.executor.shutdown()
