@@ -390,7 +390,7 @@ class Engine:
                         yield self._counted(
                             self._guarded(row, lambda row, source=source: self._copy(row, *source))
                         )
-                if lane_open and self._lane_takes(row):
+                if lane_open and row in self.rows and self._lane_takes(row):  # a failed copy ended it
                     self.lane.submit(row, self._prefill_in_lane)
                     self.tally("prefills_in_lane", 1)
                     continue

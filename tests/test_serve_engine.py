@@ -898,3 +898,23 @@ def test_the_lane_keeps_its_one_thread_whatever_the_steps_beside_it_set(two_thre
     assert lane.pending[-1][1].result(10) == 1
     assert torch.get_num_threads() == 2
     lane.executor.shutdown()
+
+
+def test_a_row_whose_copy_failed_is_not_handed_to_the_lane(model, two_threads):
+    """A prompt's copy of what another prefill computed raises: the row ends with its 500 there, and
+    goes to the lane neither (nothing to prefill for it) nor into its count."""
+    engine, counts = counted_engine(model, prefill_chunk=4, prefill_lane=True)
+    engine.add("running", job(max_new_tokens=8))
+    engine.tick()
+    engine._source = lambda row: (None, 4)  # a prefill to copy the first chunk of
+
+    def failing_copy(row, prefill, count):
+        raise RuntimeError("copy failed")
+
+    engine._copy = failing_copy
+    engine.add("copying", job(prompt=PROMPT))
+    last = {}
+    while engine.busy:
+        last.update(engine.tick())
+    assert last["copying"]["status"] == 500 and "copy failed" in last["copying"]["message"]
+    assert counts.get("prefills_in_lane", 0) == 0 and not engine.lane.pending
