@@ -441,6 +441,14 @@ class DraftKernel:
         return stream.view(1, 1, -1), logits
 
 
+def prefills_in_one_call(model: GPT, chunk: int) -> bool:
+    """Whether ``model``'s prefill chunks of up to ``chunk`` tokens, and its decode steps, go through
+    lab.intmm's one call (``use_block_kernels``; PROMPT_RUN), where each output is one thread's sum
+    in a fixed order: their bits do not depend on the thread count, where torch's matrix-matrix
+    products' do (a float run longer than PROMPT_RUN, a model without the kernels)."""
+    return getattr(model, "run_stack", None) is run_stack and chunk <= PROMPT_RUN
+
+
 def use_block_kernels(model: GPT) -> GPT:
     """Give ``model``'s blocks and their attention the kernels (module docstring), and its runs of
     blocks over one sequence the one call (``run_stack``), in place; returns it."""

@@ -95,7 +95,8 @@ class ServeConfig:
     prefill_lane: bool = True
     """Prefill prompts that arrive while rows decode on a thread of their own, beside the decode steps
     (which take one thread fewer meanwhile), instead of in line before them: running rows are never
-    held back for a prompt's pass (serve.engine.PrefillLane). Needs 2 threads or more; CPU only."""
+    held back for a prompt's pass (serve.engine.PrefillLane). Needs 2 threads or more and lab's
+    products (a CPU where lab.intmm builds); prompts that score stay in line."""
     prompt_cache_mb: float = 64.0
     """MiB of finished requests' prefills each worker keeps, the least recently used dropped first: a
     later prompt copies the whole prefill chunks it begins with (identical prompts running together

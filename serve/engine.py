@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from lab import generate as lab_generate
 from lab import tokens
+from lab.block_kernel import prefills_in_one_call
 from lab.decode import decode_rows
 from lab.generate import Generation, Step
 from lab.hooks import hooked
@@ -286,7 +287,9 @@ class PrefillLane:
     disaggregation of prefill from decode, on the cores of one CPU. A prompt's prefill is bound by
     its multiply-adds, so in line it holds every running row back for its whole pass; beside them,
     the running rows lose a thread's share of each step instead. Rows are prefilled one after another
-    in the order they came, each exactly as in line (the same chunks, which no thread count changes).
+    in the order they came, each as in line: the same chunks, through lab's one call, whose bits no
+    thread count changes (``Engine._lane_open`` opens the lane only there), and of prompts with no
+    losses to score (``Engine._lane_takes``).
     """
 
     def __init__(self):
@@ -350,7 +353,9 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.rows or self.refused)
+        """Jobs held, refusals to answer, or prefills in the lane (a row that left meanwhile holds
+        its cache there until the tick that collects it)."""
+        return bool(self.rows or self.refused or (self.lane is not None and self.lane.pending))
 
     def add(self, key: Hashable, job: Job, cancelled: Callable[[], bool] = never_cancelled) -> None:
         """Take ``job`` (its events will carry ``key``); it is prefilled from the next tick.
@@ -394,12 +399,13 @@ class Engine:
                     self.lane.submit(row, self._prefill_in_lane)
                     self.tally("prefills_in_lane", 1)
                     continue
-                with self._threads_beside_lane():
-                    while budget > 0 and not row.prefilled and row in self.rows:
-                        budget -= min(self.prefill_chunk, len(row.feed) - row.fed)
-                        yield self._counted(self._guarded(row, self._prefill_chunk))
-                        if decoding:  # one chunk per prompt per tick: the running rows wait for no more
-                            break
+                # in line at the worker's full count, the lane busy or not: a prompt's losses are read
+                # out through torch's matrix product, whose bits follow the thread count
+                while budget > 0 and not row.prefilled and row in self.rows:
+                    budget -= min(self.prefill_chunk, len(row.feed) - row.fed)
+                    yield self._counted(self._guarded(row, self._prefill_chunk))
+                    if decoding:  # one chunk per prompt per tick: the running rows wait for no more
+                        break
             shared = [row for row in decoding if not row.speculating]
             with self._threads_beside_lane():
                 if shared:
@@ -571,23 +577,29 @@ class Engine:
 
     def _lane_open(self, decoding: list[_Row]) -> bool:
         """Whether this tick's prefills go to the lane: there is one, rows are decoding (a prefill in
-        line would hold them back), and torch has a thread to spare for it (the lane takes one) in
-        a model without hooks (they would see two passes at once) or a compiled step of lab.fast's."""
+        line would hold them back), torch has a thread to spare for it (the lane takes one), and the
+        model's prefill chunks and decode steps give the same bits at any thread count, as lab's
+        one call computes them (``lab.block_kernel.prefills_in_one_call``; torch's matrix products
+        do not: the lane would change a row's last bits). Not with hooks on the model (they would
+        see two passes at once) or lab.fast's compiled steps."""
         return (
             self.lane is not None and bool(decoding) and torch.get_num_threads() > 1
+            and prefills_in_one_call(self.model, self.prefill_chunk)
             and getattr(self.model, "fast", None) is None and not hooked(self.model.modules())
         )  # fmt: skip
 
     @staticmethod
     def _lane_takes(row: _Row) -> bool:
         """Whether ``row``'s prefill can run in the lane: prompt left to pass through its blocks, and
-        not adaptive exit's scoring pass (``lab.generate.score``, its own, stays in line)."""
-        return row.fed < len(row.feed) and not (row.job.block_set.is_adaptive and row.scoring)
+        no losses to score (a prompt's losses read out many positions at once through torch's
+        matrix product, whose bits follow the thread count: in line, as alone)."""
+        return row.fed < len(row.feed) and not row.scoring
 
-    def _prefill_in_lane(self, row: _Row) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def _prefill_in_lane(self, row: _Row) -> tuple[torch.Tensor, torch.Tensor] | None:
         """On the lane's thread: the rest of ``row``'s prompt, chunk by chunk as in line; the stream
-        leaving its last position [D] and the logits it reads out there [V] (None when it only
-        scores). None when the row left the engine meanwhile (cancelled, past its deadline)."""
+        leaving its last position [D] and the logits it reads out there [V] (one position: a
+        matrix-vector product, the same bits at any thread count). None when the row left the
+        engine meanwhile (cancelled, past its deadline)."""
         start = time.monotonic()
         with torch.inference_mode():
             while row.fed < len(row.feed):
@@ -595,8 +607,7 @@ class Engine:
                     return None
                 stream = self._extend(row)
             last_stream = stream[-1].clone()
-            generating = row.job.max_new_tokens > 0
-            logits = row.generation.decoder.read_out(last_stream[None, None])[0, -1] if generating else None
+            logits = row.generation.decoder.read_out(last_stream[None, None])[0, -1]  # [V]
         row.report.prefill_s += time.monotonic() - start
         return last_stream, logits
 

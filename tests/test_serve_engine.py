@@ -747,7 +747,25 @@ def two_threads():
     torch.set_num_threads(threads)
 
 
-def test_a_prompt_arriving_while_rows_decode_is_prefilled_beside_them(model, two_threads, monkeypatch):
+def with_kernels(model: GPT) -> GPT:
+    """``model`` with lab's products (as the server loads one on a CPU where lab.intmm builds): the
+    prefill lane opens only where they compute, their bits the same at any thread count."""
+    from lab.block_kernel import use_block_kernels
+    from lab.float_kernels import use_float_kernels
+
+    if model.read_out is None:  # not quantized: float weights
+        use_float_kernels(model)
+    return use_block_kernels(model)
+
+
+@pytest.fixture(scope="module")
+def kernel_model():
+    if intmm.unavailable() is not None:
+        pytest.skip(str(intmm.unavailable()))
+    return with_kernels(TinyModel(n_layer=N_LAYER, fail_token=tokens.encode(" explode")[0])("cpu"))
+
+
+def test_a_prompt_arriving_while_rows_decode_is_prefilled_beside_them(kernel_model, two_threads, monkeypatch):
     """With the prefill lane, the running row takes a token every tick while the arriving prompt's
     prefill is held in the lane; the steps meanwhile run on one thread fewer; once the prefill ends,
     its first token and the rest are those it gets alone."""
@@ -761,6 +779,7 @@ def test_a_prompt_arriving_while_rows_decode_is_prefilled_beside_them(model, two
         return decode_rows(*args)
 
     monkeypatch.setattr(engine_module, "decode_rows", counting_threads)
+    model = kernel_model
     engine, counts = counted_engine(model, prefill_lane=True)
     release = __import__("threading").Event()
     prefill = engine._prefill_in_lane
@@ -787,25 +806,29 @@ def test_a_prompt_arriving_while_rows_decode_is_prefilled_beside_them(model, two
 
 @pytest.mark.parametrize("dtype", ["float32", "int4"])
 def test_the_lane_prefills_what_the_line_prefills(dtype, two_threads):
-    """Rows arriving while others decode, in the lane and in line: the same seeded tokens and prompt
-    losses to the bit, whatever the block set and however many chunks."""
+    """Rows arriving while others decode, in the lane and in line: the same seeded tokens to the bit,
+    whatever the block set and however many chunks; a prompt that scores stays in line."""
     from lab.quantize import quantize
 
+    if intmm.unavailable() is not None:
+        pytest.skip(str(intmm.unavailable()))
     torch.manual_seed(0)
     model = TinyModel(n_layer=N_LAYER)("cpu")
     if dtype == "int4":
         model = quantize(model.to(torch.bfloat16), "int4")
+    model = with_kernels(model)
     long_prompt = tokens.encode(" the lazy dog while the quick brown fox" * 4)
-    settings = [("all", long_prompt), ("skip=1", PROMPT), ("exit=2", PROMPT[:3]),
-                ("overwrite=3", long_prompt[:20]), ("adaptive=0.8", PROMPT)]  # fmt: skip
+    settings = [("all", long_prompt), ("skip=1", PROMPT), ("exit=2", PROMPT[:3]), ("keep=0,2", PROMPT[:7]),
+                ("overwrite=3", long_prompt[:20]), ("adaptive=0.8", PROMPT[:6]),
+                ("speculate=2", PROMPT[:5])]  # fmt: skip
     arriving = [
-        job(spec, prompt=prompt, temperature=1.0, seed=seed, max_new_tokens=5, score=True)
+        job(spec, prompt=prompt, temperature=1.0, seed=seed, max_new_tokens=5)
         for seed, (spec, prompt) in enumerate(settings)
-    ]
+    ] + [job("skip=2", prompt=long_prompt[:30], temperature=1.0, max_new_tokens=3, score=True)]
     answers = {}
     for lane in (False, True):
-        engine, counts = counted_engine(model, prefill_chunk=16, prefill_lane=lane)
-        engine.add("running", job(max_new_tokens=40))
+        engine, counts = counted_engine(model, max_rows=10, prefill_chunk=16, prefill_lane=lane)
+        engine.add("running", job(prompt=[11] * 5, max_new_tokens=40))
         engine.tick()
         last = {}
         for position, one in enumerate(arriving):
@@ -814,15 +837,54 @@ def test_the_lane_prefills_what_the_line_prefills(dtype, two_threads):
         while engine.busy:
             last.update(engine.tick())
         answers[lane] = [last[position]["response"] for position in range(len(arriving))]
-        # the adaptive row's scoring pass is its own (lab.generate.score): in line
-        assert counts.get("prefills_in_lane", 0) == (len(arriving) - 1 if lane else 0)
+        assert counts.get("prefills_in_lane", 0) == (len(settings) if lane else 0)  # not the scoring one
     for in_line, in_lane in zip(answers[False], answers[True], strict=True):
         assert in_lane["tokens"] == in_line["tokens"] and in_lane["score"] == in_line["score"]
+        assert in_lane["blocks_per_token"] == in_line["blocks_per_token"]
 
 
-def test_a_prompt_cancelled_or_failing_in_the_lane_ends_alone(model, two_threads):
+def test_prompts_that_score_beside_a_busy_lane_get_the_losses_they_get_alone(two_threads):
+    """A prompt's losses read out many positions at once through torch's matrix product, whose last
+    bits follow the thread count (for some lengths here): scoring prompts that arrive while the lane
+    is busy are prefilled in line at the worker's full count, so their scores are exactly those
+    alone (in the lane, or in line at one thread fewer, some differed)."""
+    if intmm.unavailable() is not None:
+        pytest.skip(str(intmm.unavailable()))
+    torch.manual_seed(0)
+    model = with_kernels(TinyModel(n_layer=N_LAYER, n_embd=128, n_head=4)("cpu"))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(50000) for _ in range(length)] for length in range(2, 42)]
+    release = __import__("threading").Event()
+    engine, counts = counted_engine(model, max_rows=len(prompts) + 2, prefill_lane=True)
+    prefill = engine._prefill_in_lane
+
+    def held(row):
+        assert release.wait(30)
+        return prefill(row)
+
+    engine._prefill_in_lane = held
+    engine.add("running", job(max_new_tokens=60))
+    engine.tick()
+    engine.add("held", job(prompt=PROMPT[:4], max_new_tokens=2))  # keeps the lane busy
+    engine.tick()
+    last = {}
+    for position, prompt in enumerate(prompts):
+        engine.add(position, job(prompt=prompt, max_new_tokens=0, score=True))
+        last.update(engine.tick())
+    release.set()
+    while engine.busy:
+        last.update(engine.tick())
+    for position, prompt in enumerate(prompts):
+        scoring = job(prompt=prompt, max_new_tokens=0, score=True)
+        by_itself, _ = run(Engine(model, prefill_lane=False), [scoring])
+        assert last[position]["response"]["score"] == by_itself[0]["response"]["score"], len(prompt)
+    assert counts["prefills_in_lane"] == 1
+
+
+def test_a_prompt_cancelled_or_failing_in_the_lane_ends_alone(kernel_model, two_threads):
     """Cancelled while the lane prefills it: no event, counted cancelled, the lane stops; a prefill
     that raises in the lane: a 500 for that request; the running row finishes as alone."""
+    model = kernel_model
     gone, release = {"now": False}, __import__("threading").Event()
     engine, counts = counted_engine(model, prefill_chunk=16, prefill_lane=True)
     prefill = engine._prefill_in_lane
@@ -852,14 +914,16 @@ def test_a_prompt_cancelled_or_failing_in_the_lane_ends_alone(model, two_threads
     assert counts["prefills_in_lane"] == 2 and not engine.lane.pending
 
 
-def test_the_lane_stays_shut_at_one_thread_and_under_hooks(model, two_threads):
-    """One thread: none to spare, prompts prefill in line; a hooked model: its hooks would see two
-    passes at once, so in line too."""
-    for threads, hook in ((1, False), (2, True)):
+def test_the_lane_stays_shut_at_one_thread_under_hooks_and_without_the_kernels(
+    model, kernel_model, two_threads
+):
+    """One thread: none to spare; a hooked model: its hooks would see two passes at once; a model
+    without lab's products: torch's, whose bits follow the thread count. Prompts prefill in line."""
+    for threads, hook, subject in ((1, False, kernel_model), (2, True, kernel_model), (2, False, model)):
         torch.set_num_threads(threads)
-        handle = model.blocks[0].register_forward_hook(lambda *args: None) if hook else None
+        handle = subject.blocks[0].register_forward_hook(lambda *args: None) if hook else None
         try:
-            engine, counts = counted_engine(model, prefill_lane=True)
+            engine, counts = counted_engine(subject, prefill_lane=True)
             engine.add("running", job(max_new_tokens=8))
             engine.tick()
             engine.add("skipping", job("skip=1"))
@@ -900,10 +964,10 @@ def test_the_lane_keeps_its_one_thread_whatever_the_steps_beside_it_set(two_thre
     lane.executor.shutdown()
 
 
-def test_a_row_whose_copy_failed_is_not_handed_to_the_lane(model, two_threads):
+def test_a_row_whose_copy_failed_is_not_handed_to_the_lane(kernel_model, two_threads):
     """A prompt's copy of what another prefill computed raises: the row ends with its 500 there, and
     goes to the lane neither (nothing to prefill for it) nor into its count."""
-    engine, counts = counted_engine(model, prefill_chunk=4, prefill_lane=True)
+    engine, counts = counted_engine(kernel_model, prefill_chunk=4, prefill_lane=True)
     engine.add("running", job(max_new_tokens=8))
     engine.tick()
     engine._source = lambda row: (None, 4)  # a prefill to copy the first chunk of
