@@ -2,6 +2,7 @@
 and the worker's loop fed resolved jobs through plain queues."""
 
 import random
+import threading
 import time
 from dataclasses import replace
 
@@ -758,6 +759,18 @@ def with_kernels(model: GPT) -> GPT:
     return use_block_kernels(model)
 
 
+def held_lane(engine: Engine) -> threading.Event:
+    """Hold every prefill ``engine`` hands its lane until the returned event is set."""
+    release, prefill = threading.Event(), engine._prefill_in_lane
+
+    def held(row):
+        assert release.wait(30)
+        return prefill(row)
+
+    engine._prefill_in_lane = held
+    return release
+
+
 @pytest.fixture(scope="module")
 def kernel_model():
     if intmm.unavailable() is not None:
@@ -781,14 +794,7 @@ def test_a_prompt_arriving_while_rows_decode_is_prefilled_beside_them(kernel_mod
     monkeypatch.setattr(engine_module, "decode_rows", counting_threads)
     model = kernel_model
     engine, counts = counted_engine(model, prefill_lane=True)
-    release = __import__("threading").Event()
-    prefill = engine._prefill_in_lane
-
-    def held(row):
-        assert release.wait(10)
-        return prefill(row)
-
-    engine._prefill_in_lane = held
+    release = held_lane(engine)
     engine.add("running", job(max_new_tokens=30, stream=True))
     engine.tick()
     arriving = job("skip=1", prompt=PROMPT[:5], max_new_tokens=4, temperature=1.0, seed=3)
@@ -854,15 +860,8 @@ def test_prompts_that_score_beside_a_busy_lane_get_the_losses_they_get_alone(two
     model = with_kernels(TinyModel(n_layer=N_LAYER, n_embd=128, n_head=4)("cpu"))
     rng = random.Random(0)
     prompts = [[rng.randrange(50000) for _ in range(length)] for length in range(2, 42)]
-    release = __import__("threading").Event()
     engine, counts = counted_engine(model, max_rows=len(prompts) + 2, prefill_lane=True)
-    prefill = engine._prefill_in_lane
-
-    def held(row):
-        assert release.wait(30)
-        return prefill(row)
-
-    engine._prefill_in_lane = held
+    release = held_lane(engine)
     engine.add("running", job(max_new_tokens=60))
     engine.tick()
     engine.add("held", job(prompt=PROMPT[:4], max_new_tokens=2))  # keeps the lane busy
@@ -885,15 +884,9 @@ def test_a_prompt_cancelled_or_failing_in_the_lane_ends_alone(kernel_model, two_
     """Cancelled while the lane prefills it: no event, counted cancelled, the lane stops; a prefill
     that raises in the lane: a 500 for that request; the running row finishes as alone."""
     model = kernel_model
-    gone, release = {"now": False}, __import__("threading").Event()
+    gone = {"now": False}
     engine, counts = counted_engine(model, prefill_chunk=16, prefill_lane=True)
-    prefill = engine._prefill_in_lane
-
-    def held(row):
-        assert release.wait(10)
-        return prefill(row)
-
-    engine._prefill_in_lane = held
+    release = held_lane(engine)
     engine.add("running", job(max_new_tokens=12))
     engine.tick()
     engine.add("cancelled", job(prompt=[7] * 100, max_new_tokens=3), cancelled=lambda: gone["now"])
@@ -942,7 +935,6 @@ def test_the_lane_keeps_its_one_thread_whatever_the_steps_beside_it_set(two_thre
     """torch gives a thread its count from the process's last ``set_num_threads`` on its first
     parallel op, not at its own ``set_num_threads``: the lane's thread must take that first before it
     sets 1, or a step beside it (``_threads_beside_lane`` restoring 2) hands it 2 for good."""
-    import threading
     from types import SimpleNamespace
 
     from serve.engine import PrefillLane
