@@ -17,7 +17,7 @@ iteration-level scheduling, as vLLM, TGI and SGLang do it). Each tick:
    row ahead that prefills it), or the whole chunks a prompt begins with, of rows running or ended;
    with a ``PrefillLane`` (``prefill_lane``, on a CPU with threads to spare), a prompt that arrives
    while rows decode is prefilled on the lane's thread instead, beside the decode steps, and sends
-   its first token at the first tick after;
+   its first token at the end of the tick during which its prefill ended (or the next one's start);
 3. decode: every prefilled row takes one step together, whatever its block set
    (``lab.decode.decode_rows``): block i runs on the rows whose set includes it, exit rows stop at
    their block, adaptive rows decide per token; a speculating row runs a round of its own.
@@ -375,7 +375,7 @@ class Engine:
     def tick_parts(self) -> Iterator[Events]:
         """``tick`` a part at a time (after retiring, after each prefill chunk, after the decode
         step), so that a caller can send each part's events at once: a prompt's first token leaves
-        when its prefill ends, not when the tick does."""
+        when its prefill ends, not when the tick does (the lane's, at the tick's start and end)."""
         with torch.inference_mode():
             self.ended_now = []
             yield self._counted(self._retire())
@@ -413,8 +413,10 @@ class Engine:
                 for row in decoding:
                     if row.speculating and row in self.rows:
                         yield self._counted(self._guarded(row, self._speculate))
-            if not decoding and self.lane is not None and self.lane.busy:
-                self.lane.wait(LANE_POLL_S)  # nothing else to run: wake when its prefill ends
+            if self.lane is not None:
+                if not decoding and self.lane.busy:
+                    self.lane.wait(LANE_POLL_S)  # nothing else to run: wake when its prefill ends
+                yield self._counted(self._collect_lane())  # ended during the step: its first token now
 
     def _counted(self, events: Events) -> Events:
         for _, event in events:

@@ -974,3 +974,28 @@ def test_a_row_whose_copy_failed_is_not_handed_to_the_lane(kernel_model, two_thr
         last.update(engine.tick())
     assert last["copying"]["status"] == 500 and "copy failed" in last["copying"]["message"]
     assert counts.get("prefills_in_lane", 0) == 0 and not engine.lane.pending
+
+
+def test_a_prefill_that_ends_during_the_step_sends_its_first_token_in_that_tick(
+    kernel_model, two_threads, monkeypatch
+):
+    """The lane is read at the tick's end too: a prompt whose prefill ends while the step runs sends
+    its first token in that tick, not a step later."""
+    from serve import engine as engine_module
+
+    engine = Engine(kernel_model, prefill_lane=True)
+    release = held_lane(engine)
+    decode_rows = engine_module.decode_rows
+
+    def releasing(*args):
+        if not release.is_set() and engine.lane.pending:
+            release.set()
+            engine.lane.pending[-1][1].result(10)  # the prefill ends during the step
+        return decode_rows(*args)
+
+    engine.add("running", job(max_new_tokens=20))
+    engine.tick()
+    monkeypatch.setattr(engine_module, "decode_rows", releasing)
+    engine.add("arriving", job(prompt=PROMPT[:4], max_new_tokens=3, stream=True))
+    events = engine.tick()
+    assert [event["event"] for key, event in events if key == "arriving"] == ["token"]
