@@ -614,8 +614,8 @@ class Engine:
         return last_stream, logits
 
     def _collect_lane(self) -> Events:
-        """The events of the rows whose prefill the lane finished: their first tokens (or their ends
-        when they only score; a 500 for a prefill that raised). Rows gone meanwhile send nothing."""
+        """The events of the rows whose prefill the lane finished: their first tokens (and ends, for
+        rows that end there; a 500 for a prefill that raised). Rows gone meanwhile send nothing."""
         events = []
         for row, future in self.lane.finished():
             row.in_lane = False
