@@ -810,14 +810,13 @@ def test_a_prompt_arriving_while_rows_decode_is_prefilled_beside_them(kernel_mod
     assert counts["prefills_in_lane"] == 1 and threads_per_step[-1] == 2  # the lane is idle again
 
 
+@NO_KERNELS
 @pytest.mark.parametrize("dtype", ["float32", "int4"])
 def test_the_lane_prefills_what_the_line_prefills(dtype, two_threads):
     """Rows arriving while others decode, in the lane and in line: the same seeded tokens to the bit,
     whatever the block set and however many chunks; a prompt that scores stays in line."""
     from lab.quantize import quantize
 
-    if intmm.unavailable() is not None:
-        pytest.skip(str(intmm.unavailable()))
     torch.manual_seed(0)
     model = TinyModel(n_layer=N_LAYER)("cpu")
     if dtype == "int4":
@@ -849,13 +848,12 @@ def test_the_lane_prefills_what_the_line_prefills(dtype, two_threads):
         assert in_lane["blocks_per_token"] == in_line["blocks_per_token"]
 
 
+@NO_KERNELS
 def test_prompts_that_score_beside_a_busy_lane_get_the_losses_they_get_alone(two_threads):
     """A prompt's losses read out many positions at once through torch's matrix product, whose last
     bits follow the thread count (for some lengths here): scoring prompts that arrive while the lane
     is busy are prefilled in line at the worker's full count, so their scores are exactly those
     alone (in the lane, or in line at one thread fewer, some differed)."""
-    if intmm.unavailable() is not None:
-        pytest.skip(str(intmm.unavailable()))
     torch.manual_seed(0)
     model = with_kernels(TinyModel(n_layer=N_LAYER, n_embd=128, n_head=4)("cpu"))
     rng = random.Random(0)
